@@ -1,0 +1,1 @@
+//! Block hashing: kvroute's own content hash chain, and vLLM-compatible hashes.

@@ -1,0 +1,1 @@
+//! A small, allocation-free msgpack reader and a writer, enough for vLLM's KV events.
