@@ -36,6 +36,8 @@ pub struct BlockStored {
     /// All tokens of all blocks, concatenated (empty for hash-only CPU placeholder events).
     pub token_ids: Vec<u32>,
     pub block_size: u32,
+    /// Deprecated by vLLM but still sent; kept for byte-exact re-encoding.
+    pub lora_id: Option<i64>,
     pub lora_name: Option<String>,
     pub medium: Medium,
     /// `cache_salt`, recovered from the first block's untagged `extra_keys` when `parent` is None.
@@ -78,4 +80,9 @@ pub enum Encoding {
     Map,
     /// vLLM <= 0.23: each event a positional array, type tag first.
     Array,
+}
+
+/// Decodes one payload (temporary stub until the events branch lands).
+pub fn decode_batch(_payload: &[u8]) -> Result<EventBatch, crate::EventError> {
+    Err(crate::EventError::Schema("decoder not built yet".into()))
 }

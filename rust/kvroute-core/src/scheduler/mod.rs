@@ -1,0 +1,1 @@
+//! Scheduler: worker registry, in-flight ledger, policies, atomic select-and-reserve.
