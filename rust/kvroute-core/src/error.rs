@@ -21,6 +21,8 @@ pub enum Error {
     DuplicateWorker(u64),
     #[error("no eligible worker (all excluded, unhealthy or none registered)")]
     NoEligibleWorker,
+    #[error("every eligible worker is at its in-flight limit")]
+    Saturated,
     #[error("unknown routing policy {0:?}")]
     UnknownPolicy(String),
     #[error("invalid argument: {0}")]
