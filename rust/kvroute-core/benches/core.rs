@@ -44,7 +44,13 @@ fn engine_chain(parent: u64, tokens: &[u32]) -> u64 {
     chain_hash(parent ^ 0x7e57_e7e5_7e57_e7e5, tokens, 0)
 }
 
-pub fn workload(workers: u64, seq_blocks: usize, entries: u64, blocks_per_event: usize, seed: u64) -> Workload {
+pub fn workload(
+    workers: u64,
+    seq_blocks: usize,
+    entries: u64,
+    blocks_per_event: usize,
+    seed: u64,
+) -> Workload {
     let mut rng = Rng(seed);
     let mut seqs: Vec<(u64, Vec<u32>)> = Vec::new();
     let mut held: Vec<hashbrown::HashSet<u64>> = vec![Default::default(); workers as usize];
@@ -56,10 +62,17 @@ pub fn workload(workers: u64, seq_blocks: usize, entries: u64, blocks_per_event:
             let b = 1 + rng.below(seq_blocks - 1);
             let mut t = parent[..b * BS].to_vec();
             t.extend((0..(seq_blocks - b) * BS).map(|_| rng.next() as u32));
-            let w = if rng.below(2) == 0 { *pw } else { rng.below(workers as usize) as u64 };
+            let w = if rng.below(2) == 0 {
+                *pw
+            } else {
+                rng.below(workers as usize) as u64
+            };
             (t, w)
         } else {
-            ((0..seq_blocks * BS).map(|_| rng.next() as u32).collect(), rng.below(workers as usize) as u64)
+            (
+                (0..seq_blocks * BS).map(|_| rng.next() as u32).collect(),
+                rng.below(workers as usize) as u64,
+            )
         };
         let mut eng = Vec::with_capacity(seq_blocks);
         let mut h = 0u64;
@@ -86,7 +99,11 @@ pub fn workload(workers: u64, seq_blocks: usize, entries: u64, blocks_per_event:
                 group_idx: 0,
                 spec_kind: None,
             });
-            let batch = EventBatch { ts: 0.0, events: vec![ev], dp_rank: Some(0) };
+            let batch = EventBatch {
+                ts: 0.0,
+                events: vec![ev],
+                dp_rank: Some(0),
+            };
             payloads.push((worker, encode_batch(&batch, Encoding::Map)));
             parent = Some(eng[end - 1]);
             start = end;
@@ -95,11 +112,18 @@ pub fn workload(workers: u64, seq_blocks: usize, entries: u64, blocks_per_event:
         total += (seq_blocks - k) as u64;
         seqs.push((worker, tokens));
     }
-    Workload { payloads, blocks: total, seqs }
+    Workload {
+        payloads,
+        blocks: total,
+        seqs,
+    }
 }
 
 fn entries() -> u64 {
-    std::env::var("KVROUTE_BENCH_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000)
+    std::env::var("KVROUTE_BENCH_ENTRIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000)
 }
 
 fn build(w: &Workload) -> PrefixIndex {
@@ -116,9 +140,10 @@ fn ingest(c: &mut Criterion) {
     for bpe in [32usize, 512] {
         let w = workload(16, 512, entries(), bpe, 1);
         g.throughput(Throughput::Elements(w.blocks));
-        g.bench_function(BenchmarkId::new("vllm_payloads_blocks", format!("{bpe}_per_event")), |b| {
-            b.iter(|| black_box(build(&w)))
-        });
+        g.bench_function(
+            BenchmarkId::new("vllm_payloads_blocks", format!("{bpe}_per_event")),
+            |b| b.iter(|| black_box(build(&w))),
+        );
     }
     g.finish();
 }
@@ -129,11 +154,20 @@ fn decision(c: &mut Criterion) {
         let seq_blocks = tokens / BS;
         let w = workload(workers, seq_blocks, entries(), 32, 2);
         let idx = Arc::new(Mutex::new(build(&w)));
-        let cfg = SchedulerConfig { policy: PolicyKind::Kvroute, ..Default::default() };
+        let cfg = SchedulerConfig {
+            policy: PolicyKind::Kvroute,
+            ..Default::default()
+        };
         let s = Scheduler::new(cfg, idx.clone()).unwrap();
         for id in 0..workers {
-            s.upsert_worker(WorkerInfo { id, capacity_blocks: 25_000, cpu_capacity_blocks: 0, healthy: true, metrics: None })
-                .unwrap();
+            s.upsert_worker(WorkerInfo {
+                id,
+                capacity_blocks: 25_000,
+                cpu_capacity_blocks: 0,
+                healthy: true,
+                metrics: None,
+            })
+            .unwrap();
         }
         let queries: Vec<&Vec<u32>> = w.seqs.iter().rev().take(64).map(|(_, t)| t).collect();
         let mut i = 0usize;
@@ -142,12 +176,17 @@ fn decision(c: &mut Criterion) {
             b.iter(|| {
                 let q = queries[i % queries.len()];
                 i += 1;
-                let d = s.select_and_reserve_tokens(q, None, None, 128, &[], 1).unwrap();
+                let d = s
+                    .select_and_reserve_tokens(q, None, None, 128, &[], 1)
+                    .unwrap();
                 s.release(d.reservation, 1);
                 black_box(d)
             })
         });
-        let hashes: Vec<Vec<u64>> = queries.iter().map(|q| block_hashes(q, BS, None, None)).collect();
+        let hashes: Vec<Vec<u64>> = queries
+            .iter()
+            .map(|q| block_hashes(q, BS, None, None))
+            .collect();
         g.bench_function(BenchmarkId::new("match_only", &name), |b| {
             b.iter(|| {
                 let h = &hashes[i % hashes.len()];

@@ -8,10 +8,17 @@ use kvroute_core::index::PrefixIndex;
 use serde_json::Value;
 
 fn golden() -> Vec<Value> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden/vllm-0.33.0-seed1.jsonl");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("golden stream {} not readable ({e}); it ships in shared/golden", path.display()));
-    text.lines().map(|l| serde_json::from_str(l).expect("golden line is JSON")).collect()
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/golden/vllm-0.33.0-seed1.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "golden stream {} not readable ({e}); it ships in shared/golden",
+            path.display()
+        )
+    });
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("golden line is JSON"))
+        .collect()
 }
 
 #[test]
@@ -21,35 +28,67 @@ fn golden_stream_reproduces_every_probe() {
     let bs = header["block_size"].as_u64().unwrap() as usize;
     let workers = header["workers"].as_u64().unwrap();
     let mut idx = PrefixIndex::default();
-    let (mut probes, mut nonzero, mut events) = (0, 0, 0);
+    let (mut probes, mut nonzero, mut events, mut finals) = (0, 0, 0, 0);
     for r in &records[1..] {
         match r["kind"].as_str().unwrap() {
             "events" => {
                 let payload = hex::decode(r["payload_hex"].as_str().unwrap()).unwrap();
-                idx.apply_payload(r["worker"].as_u64().unwrap(), &payload, 0).unwrap();
+                idx.apply_payload(r["worker"].as_u64().unwrap(), &payload, 0)
+                    .unwrap();
                 idx.check_invariants().unwrap();
                 events += 1;
             }
             "probe" => {
-                let tokens: Vec<u32> = r["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+                let tokens: Vec<u32> = r["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect();
                 let hashes = block_hashes(&tokens, bs, r["lora"].as_str(), r["salt"].as_str());
                 let got = idx.find_matches(&hashes, 0);
                 for w in 0..workers {
                     let want = r["cached_blocks"][w.to_string()].as_u64().unwrap() as u32;
                     let m = got.iter().find(|m| m.worker == w);
                     let gpu = m.map_or(0, |m| m.gpu);
-                    assert_eq!(gpu, want, "probe {} worker {w}: cached prefix", r["probe_id"]);
-                    assert_eq!(m.map_or(0, |m| m.cpu), 0, "the golden stream has no CPU tier");
+                    assert_eq!(
+                        gpu, want,
+                        "probe {} worker {w}: cached prefix",
+                        r["probe_id"]
+                    );
+                    assert_eq!(
+                        m.map_or(0, |m| m.cpu),
+                        0,
+                        "the golden stream has no CPU tier"
+                    );
                     nonzero += usize::from(want > 0);
                 }
                 probes += 1;
             }
+            "final" => {
+                // Distinct hashes each worker still caches at the end of the stream.
+                let w = r["worker"].as_u64().unwrap();
+                assert_eq!(
+                    idx.worker_entries(w),
+                    r["num_cached_hashes"].as_u64().unwrap(),
+                    "worker {w} at the end"
+                );
+                finals += 1;
+            }
+            "summary" => {}
             other => panic!("unknown record kind {other}"),
         }
     }
     let c = idx.counters();
     assert_eq!(c.malformed_payloads, 0);
     assert_eq!(c.orphan_blocks, 0, "every stored parent is known");
-    assert_eq!(c.unknown_removals, 0, "every removal resolves to a held block");
-    assert!(probes > 200 && nonzero > 100 && events > 500, "{probes} probes, {nonzero} hits, {events} batches");
+    assert_eq!(
+        c.unknown_removals, 0,
+        "every removal resolves to a held block"
+    );
+    assert_eq!(finals, workers);
+    assert!(
+        probes > 200 && nonzero > 100 && events > 300,
+        "{probes} probes, {nonzero} hits, {events} batches"
+    );
 }
