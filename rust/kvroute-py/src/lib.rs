@@ -1,8 +1,29 @@
 //! Python bindings for kvroute-core (`kvroute._native`): conversions and error mapping only.
+//!
+//! * [`errors`]: the exception hierarchy and the one `map_err` from core errors;
+//! * [`buffers`]: token ids / hashes from buffers (zero Python objects per element), payloads;
+//! * [`index`]: the `PrefixIndex` class;
+//! * [`hashing`]: block hashing helpers.
 use pyo3::prelude::*;
+
+mod buffers;
+mod errors;
+mod hashing;
+mod index;
 
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "DEFAULT_BLOCK_SIZE",
+        kvroute_core::hashing::DEFAULT_BLOCK_SIZE,
+    )?;
+    m.add("MAX_WORKERS", kvroute_core::index::MAX_WORKERS)?;
+    errors::register(m)?;
+    m.add_class::<index::PyPrefixIndex>()?;
+    m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::block_hashes_list, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::root_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::chain_hash, m)?)?;
     Ok(())
 }

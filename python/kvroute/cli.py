@@ -1,0 +1,39 @@
+"""The ``kvroute`` command. For now: ``--version`` and ``info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvroute import DEFAULT_BLOCK_SIZE, MAX_WORKERS, PrefixIndex, __version__
+
+
+def _info() -> int:
+    empty = PrefixIndex().stats()
+    print(f"kvroute {__version__}")
+    print(f"default_block_size: {DEFAULT_BLOCK_SIZE} tokens")
+    print(f"max_workers_per_index: {MAX_WORKERS}")
+    print(f"empty_index_memory_bytes: {empty['memory_bytes']}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware router for vLLM fleets.")
+    p.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("info", help="print the version and the index's limits and memory baseline")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
