@@ -46,7 +46,6 @@ def stub_stats_keys() -> list[str]:
 # --- events -------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="decoder lands from events branch")
 def test_apply_golden_payload(golden_stream: list[dict[str, Any]]) -> None:
     record = next(r for r in golden_stream if r["kind"] == "events")
     payload = bytes.fromhex(record["payload_hex"])
@@ -65,7 +64,6 @@ def test_apply_golden_payload(golden_stream: list[dict[str, Any]]) -> None:
     assert index.match_tokens(event["token_ids"], now_ns=0) == {record["worker"]: (expected, 0)}
 
 
-@pytest.mark.xfail(strict=False, reason="decoder lands from events branch")
 def test_golden_stream_probes(golden_stream: list[dict[str, Any]]) -> None:
     # Every probe of the stream: the index reports what vLLM's own prefix cache held.
     index = PrefixIndex()
@@ -82,7 +80,6 @@ def test_golden_stream_probes(golden_stream: list[dict[str, Any]]) -> None:
     index.check_invariants()
 
 
-@pytest.mark.xfail(strict=False, reason="decoder lands from events branch")
 def test_apply_built_payload_then_match() -> None:
     index = PrefixIndex()
     index.apply(3, stored_payload(TOKENS, list(range(1, 9))), now_ns=0)

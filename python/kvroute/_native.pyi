@@ -25,11 +25,16 @@ from typing_extensions import Buffer
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "MAX_WORKERS",
+    "POLICIES",
+    "POLICY_PARAMS",
+    "Decision",
     "InvalidArgumentError",
     "InvalidEventError",
     "KvrouteError",
     "NoEligibleWorkerError",
     "PrefixIndex",
+    "SaturatedError",
+    "Scheduler",
     "TooManyWorkersError",
     "UnknownPolicyError",
     "UnknownWorkerError",
@@ -48,6 +53,10 @@ DEFAULT_BLOCK_SIZE: Final[int]
 """Tokens per block when none is given (vLLM's default)."""
 MAX_WORKERS: Final[int]
 """Workers one index can track at once."""
+POLICIES: Final[list[str]]
+"""Names of the routing policies, ``"kvroute"`` (the default) first."""
+POLICY_PARAMS: Final[list[str]]
+"""Names of the policy knobs accepted by ``Scheduler(params=...)``."""
 
 class KvrouteError(Exception):
     """Base class of every error raised by kvroute."""
@@ -66,6 +75,9 @@ class NoEligibleWorkerError(KvrouteError):
 
 class TooManyWorkersError(KvrouteError):
     """The worker limit of the index or scheduler is reached."""
+
+class SaturatedError(KvrouteError):
+    """Every eligible worker is at its in-flight limit (answer 429 and retry later)."""
 
 class UnknownPolicyError(KvrouteError, ValueError):
     """The routing policy name is not known."""
@@ -175,3 +187,142 @@ def root_hash(lora: str | None = None, salt: str | None = None) -> int:
 
 def chain_hash(parent: int, tokens: _Tokens, extra: int = 0) -> int:
     """The hash of one block of ``tokens`` chained onto ``parent`` (``extra``: extra-keys digest)."""
+
+@type_check_only
+class LoadDict(TypedDict):
+    prefill_tokens: int
+    kv_blocks: int
+    active: int
+    decoding: int
+
+@final
+class Decision:
+    """The outcome of one :meth:`Scheduler.select_and_reserve`: the worker, the reservation id to
+    report the lifecycle against, the cached prefix there, and the score breakdown."""
+
+    @property
+    def worker(self) -> int: ...
+    @property
+    def reservation(self) -> int: ...
+    @property
+    def gpu_blocks(self) -> int: ...
+    @property
+    def cpu_blocks(self) -> int: ...
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the worker is expected to compute."""
+    @property
+    def candidates(self) -> int:
+        """Workers that were eligible."""
+    @property
+    def score(self) -> float:
+        """The policy's own score for the chosen worker (units depend on the policy)."""
+    @property
+    def est_ttft_s(self) -> float:
+        """kvroute's time-to-first-token estimate for the chosen worker, seconds."""
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+    @property
+    def uncached_tokens(self) -> int: ...
+    @property
+    def cpu_tokens(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def decoding(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+
+@final
+class Scheduler:
+    """Worker registry, in-flight ledger and routing policy over a shared :class:`PrefixIndex`.
+
+    ``select_and_reserve`` is atomic: scoring, picking and booking happen under one lock. Report
+    each reservation's lifecycle with :meth:`prefill_done`, :meth:`decode_progress` and, always
+    (in a ``finally``), :meth:`release`. Times are monotonic nanoseconds (``None`` = now).
+    """
+
+    def __new__(
+        cls,
+        index: PrefixIndex,
+        policy: str = "kvroute",
+        *,
+        block_size: int = 16,
+        router_id: int = 0,
+        reservation_ttl_s: float = 600.0,
+        tombstone_ttl_s: float = 600.0,
+        speculative_ttl_s: float = 5.0,
+        approx_tree_entries: int = 4_000_000,
+        max_inflight_per_worker: int = 0,
+        seed: int = 0,
+        params: Sequence[tuple[str, float]] | None = None,
+    ) -> Self:
+        """``policy``: one of :data:`POLICIES`; ``params``: ``(name, value)`` pairs from
+        :data:`POLICY_PARAMS` (pass ``dict.items()``). Raises :class:`UnknownPolicyError` or
+        :class:`InvalidArgumentError`."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def router_id(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    def params(self) -> dict[str, float]: ...
+    def upsert_worker(
+        self, worker: int, capacity_blocks: int = 0, cpu_capacity_blocks: int = 0, healthy: bool = True
+    ) -> None: ...
+    def remove_worker(self, worker: int, now_ns: int | None = None) -> int:
+        """Drops the worker, its reservations and its index residency; raises :class:`UnknownWorkerError`."""
+    def set_healthy(self, worker: int, healthy: bool) -> None: ...
+    def set_metrics(
+        self, worker: int, running: int | None = None, waiting: int = 0, kv_usage: float = 0.0
+    ) -> None:
+        """Engine-reported load from vLLM's ``/metrics``; ``running=None`` clears it."""
+    def workers(self) -> list[tuple[int, int, int, bool]]: ...
+    def select_and_reserve(
+        self,
+        tokens: _Tokens,
+        *,
+        expected_output_tokens: int = 0,
+        lora: str | None = None,
+        salt: str | None = None,
+        exclude: Sequence[int] = ...,
+        now_ns: int | None = None,
+    ) -> Decision:
+        """Hashes, matches, scores and books in one call. Raises :class:`NoEligibleWorkerError`
+        (nobody healthy and not excluded) or :class:`SaturatedError` (all at their limit)."""
+    def select_and_reserve_hashes(
+        self,
+        hashes: _Hashes,
+        prompt_tokens: int,
+        *,
+        expected_output_tokens: int = 0,
+        exclude: Sequence[int] = ...,
+        now_ns: int | None = None,
+    ) -> Decision: ...
+    def prefill_done(self, reservation: int, now_ns: int | None = None) -> bool: ...
+    def decode_progress(self, reservation: int, generated: int, now_ns: int | None = None) -> bool: ...
+    def release(self, reservation: int, now_ns: int | None = None) -> bool:
+        """Idempotent: False if the reservation had already ended."""
+    def apply_remote_reserve(
+        self,
+        origin: int,
+        id: int,
+        worker: int,
+        prefill_tokens: int,
+        prompt_blocks: int,
+        hashes: _Hashes | None = None,
+        now_ns: int | None = None,
+    ) -> bool:
+        """A peer router's reservation; idempotent, ignored if ``origin`` is this router or the
+        key is tombstoned. Returns whether it changed anything."""
+    def apply_remote_prefill_done(self, origin: int, id: int, now_ns: int | None = None) -> bool: ...
+    def apply_remote_progress(
+        self, origin: int, id: int, generated: int, now_ns: int | None = None
+    ) -> bool: ...
+    def apply_remote_finished(self, origin: int, id: int, now_ns: int | None = None) -> bool: ...
+    def expire(self, now_ns: int | None = None) -> int: ...
+    def loads(self) -> dict[int, LoadDict]: ...
+    def reservations(self) -> int: ...
+    def counters(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...

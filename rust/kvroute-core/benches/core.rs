@@ -81,7 +81,7 @@ pub fn workload(
             eng.push(h);
         }
         let res = &mut held[worker as usize];
-        let k = eng.iter().take_while(|e| res.contains(e)).count();
+        let k = eng.iter().take_while(|e| res.contains(*e)).count();
         let mut parent = if k > 0 { Some(eng[k - 1]) } else { None };
         let mut start = k;
         while start < seq_blocks {

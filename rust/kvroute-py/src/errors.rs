@@ -20,6 +20,7 @@ pub(crate) enum Kind {
     NoEligibleWorker,
     TooManyWorkers,
     UnknownPolicy,
+    Saturated,
 }
 
 /// The builtin a class derives from besides `KvrouteError`.
@@ -36,7 +37,7 @@ struct Spec {
     doc: &'static str,
 }
 
-const SPECS: [Spec; 7] = [
+const SPECS: [Spec; 8] = [
     Spec {
         name: "KvrouteError",
         builtin: Builtin::None,
@@ -71,6 +72,11 @@ const SPECS: [Spec; 7] = [
         name: "UnknownPolicyError",
         builtin: Builtin::Value,
         doc: "The routing policy name is not known.",
+    },
+    Spec {
+        name: "SaturatedError",
+        builtin: Builtin::None,
+        doc: "Every eligible worker is at its in-flight limit (answer 429 and retry later).",
     },
 ];
 
@@ -138,6 +144,7 @@ pub(crate) fn map_err(e: Error) -> PyErr {
         Error::NoEligibleWorker => Kind::NoEligibleWorker,
         Error::UnknownPolicy(_) => Kind::UnknownPolicy,
         Error::TooManyWorkers(_) => Kind::TooManyWorkers,
+        Error::Saturated => Kind::Saturated,
     };
     new_err(kind, e.to_string())
 }

@@ -25,7 +25,7 @@ const DETACH_BLOCKS: usize = 4096;
 static MONOTONIC_NS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// `now_ns`, or Python's `time.monotonic_ns()` (the same clock callers pass explicitly).
-fn now(py: Python<'_>, now_ns: Option<Nanos>) -> PyResult<Nanos> {
+pub(crate) fn now(py: Python<'_>, now_ns: Option<Nanos>) -> PyResult<Nanos> {
     match now_ns {
         Some(t) => Ok(t),
         None => MONOTONIC_NS
@@ -36,7 +36,7 @@ fn now(py: Python<'_>, now_ns: Option<Nanos>) -> PyResult<Nanos> {
 }
 
 /// `now + ttl_s`, saturating; `ttl_s` must be a finite, non-negative number of seconds.
-fn deadline(now: Nanos, ttl_s: f64) -> PyResult<Nanos> {
+pub(crate) fn deadline(now: Nanos, ttl_s: f64) -> PyResult<Nanos> {
     if !(ttl_s.is_finite() && ttl_s >= 0.0) {
         return Err(invalid_argument(format!(
             "ttl_s must be finite and >= 0, got {ttl_s}"
@@ -55,7 +55,6 @@ pub(crate) struct PyPrefixIndex {
 
 impl PyPrefixIndex {
     /// The shared core index (for handles that route on the same index).
-    #[allow(dead_code)] // used by the scheduler binding
     pub(crate) fn shared(&self) -> Arc<Mutex<PrefixIndex>> {
         Arc::clone(&self.inner)
     }

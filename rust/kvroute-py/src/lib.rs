@@ -3,13 +3,15 @@
 //! * [`errors`]: the exception hierarchy and the one `map_err` from core errors;
 //! * [`buffers`]: token ids / hashes from buffers (zero Python objects per element), payloads;
 //! * [`index`]: the `PrefixIndex` class;
-//! * [`hashing`]: block hashing helpers.
+//! * [`hashing`]: block hashing helpers;
+//! * [`scheduler`]: the `Scheduler` and its `Decision`.
 use pyo3::prelude::*;
 
 mod buffers;
 mod errors;
 mod hashing;
 mod index;
+mod scheduler;
 
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -21,6 +23,18 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_WORKERS", kvroute_core::index::MAX_WORKERS)?;
     errors::register(m)?;
     m.add_class::<index::PyPrefixIndex>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<scheduler::PyDecision>()?;
+    m.add(
+        "POLICIES",
+        kvroute_core::scheduler::PolicyKind::ALL
+            .map(|p| p.name())
+            .to_vec(),
+    )?;
+    m.add(
+        "POLICY_PARAMS",
+        kvroute_core::scheduler::PolicyParams::NAMES.to_vec(),
+    )?;
     m.add_function(wrap_pyfunction!(hashing::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::block_hashes_list, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::root_hash, m)?)?;

@@ -127,6 +127,57 @@ impl Default for PolicyParams {
     }
 }
 
+macro_rules! params_by_name {
+    ($($f:ident),* $(,)?) => {
+        impl PolicyParams {
+            /// Names of every knob, as accepted by [`PolicyParams::set`].
+            pub const NAMES: &'static [&'static str] = &["max_batched_tokens", $(stringify!($f)),*];
+
+            /// Sets one knob by name (configuration files, CLI, bindings).
+            pub fn set(&mut self, name: &str, value: f64) -> Result<()> {
+                if !value.is_finite() || value < 0.0 {
+                    return Err(Error::InvalidArgument(format!("{name} must be a finite number >= 0, got {value}")));
+                }
+                match name {
+                    "max_batched_tokens" => self.max_batched_tokens = value.max(1.0) as u32,
+                    $(stringify!($f) => self.$f = value,)*
+                    _ => return Err(Error::InvalidArgument(format!("unknown policy parameter {name:?}"))),
+                }
+                Ok(())
+            }
+
+            /// Every knob and its value.
+            pub fn items(&self) -> Vec<(&'static str, f64)> {
+                let mut v = vec![("max_batched_tokens", f64::from(self.max_batched_tokens))];
+                $(v.push((stringify!($f), self.$f));)*
+                v
+            }
+        }
+    };
+}
+
+params_by_name!(
+    prefill_s_per_token,
+    step_s,
+    decode_s_per_seq,
+    cpu_load_s_per_token,
+    kv_pressure_factor,
+    pollution_factor,
+    ray_imbalanced_threshold,
+    ray_match_rate_threshold,
+    sglang_balance_abs,
+    sglang_balance_rel,
+    sglang_cache_threshold,
+    dynamo_overlap_weight,
+    dynamo_cpu_credit,
+    dynamo_active_weight,
+    llmd_prefix_weight,
+    llmd_queue_weight,
+    llmd_kv_weight,
+    llmd_cpu_credit,
+    preble_rebalance_ratio,
+);
+
 /// Engine-reported load (vLLM `/metrics`), when the caller has it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineMetrics {
