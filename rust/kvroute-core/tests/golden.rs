@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use kvroute_core::hashing::block_hashes;
-use kvroute_core::index::PrefixIndex;
+use kvroute_core::index::{validate_payload, PrefixIndex};
 use serde_json::Value;
 
 fn golden() -> Vec<Value> {
@@ -91,4 +91,74 @@ fn golden_stream_reproduces_every_probe() {
         probes > 200 && nonzero > 100 && events > 300,
         "{probes} probes, {nonzero} hits, {events} batches"
     );
+}
+
+/// Truncated and bit-flipped copies of real payloads, applied to a populated index: each one
+/// that is rejected must leave the index exactly as it was.
+#[test]
+fn rejected_payloads_change_nothing() {
+    let records = golden();
+    let mut idx = PrefixIndex::default();
+    let mut payloads = Vec::new();
+    let mut probes = Vec::new();
+    for r in &records[1..] {
+        match r["kind"].as_str().unwrap() {
+            "events" => {
+                let p = hex::decode(r["payload_hex"].as_str().unwrap()).unwrap();
+                idx.apply_payload(r["worker"].as_u64().unwrap(), &p, 0)
+                    .unwrap();
+                payloads.push(p);
+            }
+            "probe" => {
+                let tokens: Vec<u32> = r["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect();
+                probes.push(block_hashes(
+                    &tokens,
+                    16,
+                    r["lora"].as_str(),
+                    r["salt"].as_str(),
+                ));
+            }
+            _ => {}
+        }
+    }
+    let snapshot = |idx: &mut PrefixIndex| {
+        let s = idx.stats();
+        let m: Vec<_> = probes.iter().map(|h| idx.find_matches(h, 0)).collect();
+        (s.entries, s.blocks, s.nodes, m)
+    };
+    let before = snapshot(&mut idx);
+    let mut rejected = 0;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for p in payloads.iter().filter(|p| p.len() > 40).take(120) {
+        for k in 0..8 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mut bad = p.clone();
+            if k % 2 == 0 {
+                bad.truncate((state as usize) % p.len());
+            } else {
+                let i = (state as usize) % p.len();
+                bad[i] = 0xc1; // the one byte msgpack never uses
+            }
+            if validate_payload(&bad).is_ok() {
+                continue; // the byte landed inside a float or a string: still well-formed
+            }
+            assert!(idx.apply_payload(1, &bad, 0).is_err());
+            rejected += 1;
+        }
+    }
+    assert!(rejected >= 700, "{rejected} rejected");
+    assert_eq!(idx.counters().malformed_payloads, rejected);
+    assert_eq!(
+        snapshot(&mut idx),
+        before,
+        "a rejected payload changed the index"
+    );
+    idx.check_invariants().unwrap();
 }
