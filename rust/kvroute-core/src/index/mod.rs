@@ -11,7 +11,6 @@
 mod tree;
 
 use smallvec::SmallVec;
-use std::collections::VecDeque;
 
 use crate::events::{
     decode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, SpecKind,
@@ -22,6 +21,8 @@ use tree::{NodeId, Op, Tree, ROOT};
 
 /// Workers one index can track at once (slots are u16).
 pub const MAX_WORKERS: usize = u16::MAX as usize;
+/// Expired speculative entries are swept out at most this often (nanoseconds).
+pub const SWEEP_INTERVAL: Nanos = 1_000_000_000;
 
 #[derive(Debug, Clone)]
 pub struct IndexConfig {
@@ -86,12 +87,6 @@ pub struct IndexStats {
     pub counters: IndexCounters,
 }
 
-struct SpecRecord {
-    until: Nanos,
-    slot: u16,
-    hashes: Vec<u64>,
-}
-
 pub struct PrefixIndex {
     cfg: IndexConfig,
     tree: Tree,
@@ -100,7 +95,10 @@ pub struct PrefixIndex {
     free_slots: Vec<u16>,
     /// Per slot, the KV-cache groups known to be full attention (bit g = group g; group 0 by default).
     full_groups: Vec<u64>,
-    spec_queue: VecDeque<SpecRecord>,
+    /// Speculative entries recorded since the last sweep (0 = nothing to sweep).
+    spec_dirty: u64,
+    /// When expired speculative entries are next swept out.
+    next_sweep: Nanos,
     counters: IndexCounters,
     scratch: Vec<u64>,
 }
@@ -120,7 +118,8 @@ impl PrefixIndex {
             worker_of: Vec::new(),
             free_slots: Vec::new(),
             full_groups: Vec::new(),
-            spec_queue: VecDeque::new(),
+            spec_dirty: 0,
+            next_sweep: 0,
             counters: IndexCounters::default(),
             scratch: Vec::new(),
         }
@@ -164,7 +163,6 @@ impl PrefixIndex {
         };
         let purged = self.tree.purge_slot(s);
         self.worker_of[s as usize] = None;
-        self.spec_queue.retain(|r| r.slot != s);
         self.free_slots.push(s);
         purged
     }
@@ -172,10 +170,7 @@ impl PrefixIndex {
     /// Drops everything a worker holds but keeps it registered (engine restart, cache reset).
     pub fn clear_worker(&mut self, worker: WorkerId) -> u64 {
         match self.slot_of.get(&worker) {
-            Some(&s) => {
-                self.spec_queue.retain(|r| r.slot != s);
-                self.tree.purge_slot(s)
-            }
+            Some(&s) => self.tree.purge_slot(s),
             None => 0,
         }
     }
@@ -225,7 +220,6 @@ impl PrefixIndex {
             KvEvent::Removed(r) => self.apply_removed(slot, r, now),
             KvEvent::AllCleared => {
                 self.counters.cleared += 1;
-                self.spec_queue.retain(|r| r.slot != slot);
                 self.tree.purge_slot(slot);
             }
             KvEvent::Unknown(_) => self.counters.unknown_events += 1,
@@ -404,8 +398,14 @@ impl PrefixIndex {
                 }));
             }
             let mut any = false;
+            // Both `acc` and `res` are sorted by slot: one merge pass.
+            let res = &cn.res;
+            let mut j = 0;
             for a in acc.iter_mut().filter(|a| a.alive) {
-                let r = cn.res.iter().find(|r| r.slot == a.slot);
+                while j < res.len() && res[j].slot < a.slot {
+                    j += 1;
+                }
+                let r = res.get(j).filter(|r| r.slot == a.slot);
                 let (gpu, avail) = match r {
                     Some(r) => {
                         let g = r.gpu > 0 || r.spec_until > now;
@@ -465,64 +465,45 @@ impl PrefixIndex {
         self.tree
             .insert_chain(slot, (ROOT, 0), hashes, None, Op::Speculate { until }, now);
         self.counters.speculative_blocks += hashes.len() as u64;
-        self.spec_queue.push_back(SpecRecord {
-            until,
-            slot,
-            hashes: hashes.to_vec(),
-        });
+        self.spec_dirty += hashes.len() as u64;
         self.enforce_budget();
         Ok(())
     }
 
-    /// Drops speculative entries whose deadline has passed (matching already ignores them; this
-    /// frees their memory). Cheap when nothing is due.
+    /// Frees speculative entries whose deadline has passed. Matching already ignores them, so
+    /// this is only about memory: it sweeps the tree at most once per `SWEEP_INTERVAL` (the tree
+    /// has few nodes: runs are long), which keeps per-request bookkeeping off the hot path.
     pub fn expire(&mut self, now: Nanos) {
-        while self.spec_queue.front().is_some_and(|r| r.until <= now) {
-            let Some(rec) = self.spec_queue.pop_front() else {
-                break;
-            };
-            self.expire_record(&rec, now);
+        if self.spec_dirty == 0 || now < self.next_sweep {
+            return;
         }
-    }
-
-    fn expire_record(&mut self, rec: &SpecRecord, now: Nanos) {
-        let mut path: SmallVec<[NodeId; 16]> = SmallVec::new();
-        let mut node = ROOT;
-        let mut i = 0;
-        while i < rec.hashes.len() {
-            let Some(c) = self.tree.nodes[node as usize].children.get(rec.hashes[i]) else {
-                break;
-            };
-            let cn = &self.tree.nodes[c as usize];
-            let m = cn
-                .hashes
-                .iter()
-                .zip(&rec.hashes[i..])
-                .take_while(|(a, b)| a == b)
-                .count();
-            path.push(c);
-            i += m;
-            if m < cn.hashes.len() {
-                break;
-            }
-            node = c;
-        }
-        // Leaf-most first, so pruning a node never leaves a dangling id further up the list.
-        for &n in path.iter().rev() {
-            if !self.tree.nodes[n as usize].live {
+        self.next_sweep = now.saturating_add(SWEEP_INTERVAL);
+        let mut live = 0u64;
+        let mut changed = Vec::new();
+        for (id, n) in self.tree.nodes.iter().enumerate().skip(1) {
+            if !n.live {
                 continue;
             }
-            if self
-                .tree
-                .update_res(n, rec.slot, Op::Speculate { until: 0 }, false, now)
-            {
-                if self.tree.nodes[n as usize].res.is_empty()
-                    && self.tree.nodes[n as usize].children.len() == 0
-                {
-                    self.tree.prune(n);
-                } else {
-                    self.tree.merge_around(n);
+            for r in &n.res {
+                if r.spec_until > now {
+                    live += n.len() as u64;
+                } else if r.spec_until != 0 {
+                    changed.push((id as NodeId, r.slot));
                 }
+            }
+        }
+        self.spec_dirty = live;
+        for (id, slot) in changed {
+            if !self.tree.nodes[id as usize].live {
+                continue;
+            }
+            self.tree
+                .update_res(id, slot, Op::Speculate { until: 0 }, false, now);
+            let n = &self.tree.nodes[id as usize];
+            if n.res.is_empty() && n.children.len() == 0 {
+                self.tree.prune(id);
+            } else {
+                self.tree.merge_around(id);
             }
         }
     }

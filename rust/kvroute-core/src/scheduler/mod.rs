@@ -278,6 +278,8 @@ impl Scheduler {
         let limit = self.cfg.max_inflight_per_worker;
         st.cands.clear();
         let mut any_eligible = false;
+        st.matches.sort_unstable_by_key(|m| m.worker);
+        st.approx_matches.sort_unstable_by_key(|m| m.worker);
         for w in &st.workers {
             if !w.healthy || req.exclude.contains(&w.id) {
                 continue;
@@ -287,8 +289,8 @@ impl Scheduler {
             if limit > 0 && load.active >= limit {
                 continue;
             }
-            let m = st.matches.iter().find(|m| m.worker == w.id);
-            let a = st.approx_matches.iter().find(|m| m.worker == w.id);
+            let m = lookup(&st.matches, w.id);
+            let a = lookup(&st.approx_matches, w.id);
             st.cands.push(Candidate {
                 worker: w.id,
                 gpu_blocks: m.map_or(0, |m| m.gpu),
@@ -508,6 +510,14 @@ impl Scheduler {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.state.lock().ledger.check()
     }
+}
+
+/// The match of `worker` in `matches` (sorted by worker).
+fn lookup(matches: &[WorkerMatch], worker: WorkerId) -> Option<&WorkerMatch> {
+    matches
+        .binary_search_by_key(&worker, |m| m.worker)
+        .ok()
+        .map(|i| &matches[i])
 }
 
 #[cfg(test)]
