@@ -32,7 +32,8 @@ import kvroute
 
 HARNESS = Path(
     os.environ.get(
-        "KVROUTE_DYNAMO_BENCH", Path(__file__).resolve().parents[2] / "shared" / "bench" / "dynamo_index_bench.py"
+        "KVROUTE_DYNAMO_BENCH",
+        Path(__file__).resolve().parents[2] / "shared" / "bench" / "dynamo_index_bench.py",
     )
 )
 

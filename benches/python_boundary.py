@@ -39,7 +39,9 @@ def payload(parent: int | None, hashes: list[int], tokens: np.ndarray) -> bytes:
     return msgpack.packb([time.time(), [ev], 0])
 
 
-def build(workers: int, entries: int, seq_blocks: int, seed: int) -> tuple[kvroute.PrefixIndex, list[np.ndarray]]:
+def build(
+    workers: int, entries: int, seq_blocks: int, seed: int
+) -> tuple[kvroute.PrefixIndex, list[np.ndarray]]:
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     idx = kvroute.PrefixIndex()
@@ -50,7 +52,9 @@ def build(workers: int, entries: int, seq_blocks: int, seed: int) -> tuple[kvrou
         if seqs and rng.random() < 0.8:
             pw, ptoks, peng = rng.choice(seqs)
             b = rng.randint(1, seq_blocks - 1)
-            toks = np.concatenate([ptoks[: b * BS], nrng.integers(0, 128_000, (seq_blocks - b) * BS, dtype=np.uint32)])
+            toks = np.concatenate(
+                [ptoks[: b * BS], nrng.integers(0, 128_000, (seq_blocks - b) * BS, dtype=np.uint32)]
+            )
             eng = peng[:b] + [rng.getrandbits(64) for _ in range(seq_blocks - b)]
             w = pw if rng.random() < 0.5 else rng.randrange(workers)
         else:
@@ -109,7 +113,11 @@ def main() -> None:
         for w in range(workers):
             sched.upsert_worker(w, capacity_blocks=25_000)
         key = f"{workers}w_{tokens}tok"
-        res: dict[str, object] = {"index": {k: v for k, v in idx.stats().items() if k in ("entries", "blocks", "nodes", "bytes_per_entry")}}
+        res: dict[str, object] = {
+            "index": {
+                k: v for k, v in idx.stats().items() if k in ("entries", "blocks", "nodes", "bytes_per_entry")
+            }
+        }
         res["build_s"] = round(build_s, 1)
         res["numpy_uint32"] = time_decisions(sched, list(seqs), a.calls)
         res["array_I"] = time_decisions(sched, [array("I", s.tobytes()) for s in seqs], a.calls)

@@ -24,6 +24,7 @@ from kvroute._native import (
     block_hashes_list,
     chain_hash,
     root_hash,
+    vllm_block_hashes,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "block_hashes_list",
     "chain_hash",
     "root_hash",
+    "vllm_block_hashes",
 ]

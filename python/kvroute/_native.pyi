@@ -17,7 +17,7 @@ of ints raises ``TypeError``.
 Times are integer nanoseconds on a monotonic clock; ``now_ns=None`` reads ``time.monotonic_ns()``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final, Self, TypeAlias, TypedDict, final, type_check_only
 
 from typing_extensions import Buffer
@@ -43,6 +43,7 @@ __all__ = [
     "block_hashes_list",
     "chain_hash",
     "root_hash",
+    "vllm_block_hashes",
 ]
 
 _Tokens: TypeAlias = Buffer | Sequence[int]
@@ -185,6 +186,18 @@ def block_hashes_list(
 def root_hash(lora: str | None = None, salt: str | None = None) -> int:
     """The parent hash of block 0 for this LoRA adapter name and cache salt."""
 
+def vllm_block_hashes(
+    tokens: _Tokens,
+    block_size: int = 16,
+    algo: str = "sha256",
+    seed: str | None = None,
+    lora: tuple[str, str] | None = None,
+    salt: str | None = None,
+) -> list[int]:
+    """vLLM's own chained block hashes (``sha256`` over pickle, or ``sha256_cbor``) as the u64 values
+    its KV events carry. ``seed``: the engine's ``PYTHONHASHSEED`` if set (vLLM 0.33 otherwise seeds
+    with ``"vllm-none-hash"``); ``lora``: ``(name, path)``; ``salt`` applies to block 0."""
+
 def chain_hash(parent: int, tokens: _Tokens, extra: int = 0) -> int:
     """The hash of one block of ``tokens`` chained onto ``parent`` (``extra``: extra-keys digest)."""
 
@@ -255,10 +268,10 @@ class Scheduler:
         approx_tree_entries: int = 4_000_000,
         max_inflight_per_worker: int = 0,
         seed: int = 0,
-        params: Sequence[tuple[str, float]] | None = None,
+        params: Mapping[str, float] | None = None,
     ) -> Self:
-        """``policy``: one of :data:`POLICIES`; ``params``: ``(name, value)`` pairs from
-        :data:`POLICY_PARAMS` (pass ``dict.items()``). Raises :class:`UnknownPolicyError` or
+        """``policy``: one of :data:`POLICIES`; ``params``: knob values by name, from
+        :data:`POLICY_PARAMS`. Raises :class:`UnknownPolicyError` or
         :class:`InvalidArgumentError`."""
 
     @property

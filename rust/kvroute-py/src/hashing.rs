@@ -87,3 +87,28 @@ pub(crate) fn chain_hash(parent: u64, tokens: &Bound<'_, PyAny>, extra: u64) -> 
     let tokens = buffers::tokens(tokens, "tokens")?;
     Ok(hashing::chain_hash(parent, &tokens, extra))
 }
+
+/// vLLM's own block hashes, as the u64 values its KV events carry (low 64 bits, big-endian).
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size = 16, algo = "sha256", seed = None, lora = None, salt = None))]
+pub(crate) fn vllm_block_hashes(
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+    block_size: usize,
+    algo: &str,
+    seed: Option<&str>,
+    lora: Option<(String, String)>,
+    salt: Option<&str>,
+) -> PyResult<Vec<u64>> {
+    check_block_size(block_size)?;
+    let algo = hashing::VllmHashAlgo::parse(algo).ok_or_else(|| {
+        invalid_argument(format!(
+            "unknown hash algorithm {algo:?} (sha256, sha256_cbor)"
+        ))
+    })?;
+    let tokens = buffers::tokens(tokens, "tokens")?;
+    let lora = lora.as_ref().map(|(n, p)| (n.as_str(), p.as_str()));
+    let h = hashing::VllmHasher::new(algo, seed);
+    let digests = py.detach(|| h.block_hashes(&tokens, block_size, lora, salt));
+    Ok(digests.iter().map(hashing::event_hash).collect())
+}

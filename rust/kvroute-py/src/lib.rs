@@ -39,5 +39,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::block_hashes_list, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::root_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::chain_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::vllm_block_hashes, m)?)?;
     Ok(())
 }

@@ -97,7 +97,7 @@ impl PyScheduler {
         approx_tree_entries: u64,
         max_inflight_per_worker: u32,
         seed: u64,
-        params: Option<Vec<(String, f64)>>,
+        params: Option<std::collections::HashMap<String, f64>>,
     ) -> PyResult<Self> {
         check_block_size(block_size as usize)?;
         let mut cfg = SchedulerConfig {
