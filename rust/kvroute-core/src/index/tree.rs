@@ -142,6 +142,34 @@ impl Node {
     }
 }
 
+/// An engine hash as a hash-map key aligned to 4 bytes, so that a (key, block id) bucket takes
+/// 12 bytes instead of 16: the engine map holds one bucket per block.
+#[repr(C, packed(4))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct EngineKey(u64);
+
+/// Engine hash -> block.
+#[derive(Debug, Default)]
+pub(crate) struct EngineMap(HashMap<EngineKey, BlockId>);
+
+impl EngineMap {
+    pub fn get(&self, e: &u64) -> Option<&BlockId> {
+        self.0.get(&EngineKey(*e))
+    }
+    fn insert(&mut self, e: u64, b: BlockId) {
+        self.0.insert(EngineKey(e), b);
+    }
+    fn remove(&mut self, e: &u64) {
+        self.0.remove(&EngineKey(*e));
+    }
+    fn allocation_size(&self) -> usize {
+        self.0.allocation_size()
+    }
+    fn iter(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.0.iter().map(|(k, b)| ({ k.0 }, *b))
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BlockInfo {
     pub node: NodeId,
@@ -167,7 +195,7 @@ pub(crate) struct Tree {
     free_blocks: Vec<BlockId>,
     /// Engine hash -> block, shared by all workers: with vLLM's fixed seed every replica reports
     /// the same engine hash for the same content; replicas that disagree just add aliases.
-    pub engine: HashMap<u64, BlockId>,
+    pub engine: EngineMap,
     /// Extra engine hashes of a block beyond `BlockInfo::engine` (rare).
     aliases: HashMap<BlockId, SmallVec<[u64; 2]>>,
     /// Sum over nodes of `len * res.len()`: resident (block, worker) entries.
@@ -420,7 +448,11 @@ impl Tree {
             self.nodes[g as usize].parent = node;
         }
         let n = &mut self.nodes[node as usize];
+        // Exact growth: runs grow a chunk at a time and live long, so doubling would leave
+        // a quarter of their memory unused on average.
+        n.hashes.reserve_exact(hashes.len());
         n.hashes.extend_from_slice(&hashes);
+        n.ids.reserve_exact(ids.len());
         n.ids.extend_from_slice(&ids);
         n.children = children;
         n.last_used = n.last_used.max(last_used);
@@ -656,7 +688,7 @@ impl Tree {
                 self.block_count()
             ));
         }
-        for (&e, &b) in &self.engine {
+        for (e, b) in self.engine.iter() {
             let info = self.blocks[b as usize];
             if !self.nodes[info.node as usize].live {
                 return Err(format!("engine hash {e:#x} points at a dead block"));
