@@ -131,6 +131,10 @@ fn a_resent_block_aligned_prompt_caches_its_last_block_twice() {
     assert_eq!(pool.copies(102), 2);
     assert_eq!(pool.block_hash(3), Some(102));
     assert_eq!(pool.block_hash(4), Some(102));
+    // Lookups answer with the oldest copy (vLLM's insertion-ordered dict per hash).
+    hits.clear();
+    pool.find_cached(&a.hashes, &mut hits);
+    assert_eq!(hits, vec![1, 2, 3]);
 
     // Evicting one copy publishes its removal; the other copy still answers lookups.
     pool.free(&second);

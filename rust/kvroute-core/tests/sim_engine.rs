@@ -14,14 +14,13 @@ fn config(block_size: usize, gpu_blocks: usize, budget: usize) -> EngineConfig {
     c
 }
 
-/// (kind, hashes, parent, token count) of every event in a step's batch.
-fn events(
-    e: &mut Engine,
-    now: f64,
-) -> (
-    Vec<(char, usize, bool, usize)>,
-    Vec<(String, Option<u32>, bool, Option<FinishReason>)>,
-) {
+/// (kind, hashes, parent?, token count) of an event.
+type EventSummary = (char, usize, bool, usize);
+/// (request id, token, first?, finish) of an output.
+type OutputSummary = (String, Option<u32>, bool, Option<FinishReason>);
+
+/// One step's events and outputs, summarised.
+fn events(e: &mut Engine, now: f64) -> (Vec<EventSummary>, Vec<OutputSummary>) {
     let r = e.step(now);
     let ev = r.events.map_or_else(Vec::new, |b| {
         b.events

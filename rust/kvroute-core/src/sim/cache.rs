@@ -16,8 +16,8 @@
 //! step ([`BlockPool::take_events`]).
 use std::hash::{BuildHasher, Hasher};
 
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
-use smallvec::SmallVec;
 
 use super::cpu::CpuTier;
 use crate::events::{BlockRemoved, BlockStored, KvEvent, Medium, SpecKind};
@@ -64,6 +64,8 @@ struct Block {
     /// Free-queue links (valid while `ref_cnt == 0`).
     prev: u32,
     next: u32,
+    /// Next block cached under the same hash (duplicates form a chain from the map's entry).
+    next_dup: u32,
 }
 
 /// What [`BlockPool::cache_blocks`] needs to know about a request to announce its blocks.
@@ -86,7 +88,9 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: usize,
-    cached: HashMap<u64, SmallVec<[BlockId; 2]>, IdHashBuilder>,
+    /// Hash -> first block of its duplicate chain. One small entry per distinct hash keeps the
+    /// map compact: eviction's lookup is the pool's main cache miss.
+    cached: HashMap<u64, BlockId, IdHashBuilder>,
     cpu: CpuTier,
     events: Vec<KvEvent>,
     emit: bool,
@@ -124,6 +128,7 @@ impl BlockPool {
             ref_cnt: 0,
             prev: NIL,
             next: NIL,
+            next_dup: NIL,
         };
         self.blocks.clear();
         self.blocks.resize(n, blank);
@@ -197,7 +202,7 @@ impl BlockPool {
     pub fn find_cached(&self, hashes: &[u64], out: &mut Vec<BlockId>) {
         for h in hashes {
             match self.cached.get(h) {
-                Some(ids) => out.push(ids[0]),
+                Some(&b) => out.push(b),
                 None => break,
             }
         }
@@ -258,11 +263,21 @@ impl BlockPool {
             return;
         }
         blk.cached = false;
-        let hash = blk.hash;
-        if let Some(ids) = self.cached.get_mut(&hash) {
-            ids.retain(|x| *x != b);
-            if ids.is_empty() {
-                self.cached.remove(&hash);
+        let (hash, next) = (blk.hash, blk.next_dup);
+        if let Entry::Occupied(mut head) = self.cached.entry(hash) {
+            if *head.get() == b {
+                if next == NIL {
+                    head.remove();
+                } else {
+                    *head.get_mut() = next;
+                }
+            } else {
+                // A duplicate further down the chain: unlink it.
+                let mut p = *head.get();
+                while self.blocks[p as usize].next_dup != b {
+                    p = self.blocks[p as usize].next_dup;
+                }
+                self.blocks[p as usize].next_dup = next;
             }
         }
         let events = self.emit.then_some(&mut self.events);
@@ -297,7 +312,21 @@ impl BlockPool {
             debug_assert!(!blk.cached, "block {b} is already cached");
             blk.hash = hash;
             blk.cached = true;
-            self.cached.entry(hash).or_default().push(b);
+            blk.next_dup = NIL;
+            match self.cached.entry(hash) {
+                // A duplicate joins the end of the chain: lookups keep answering with the oldest
+                // copy, as vLLM's insertion-ordered dict of blocks per hash does.
+                Entry::Occupied(head) => {
+                    let mut last = *head.get();
+                    while self.blocks[last as usize].next_dup != NIL {
+                        last = self.blocks[last as usize].next_dup;
+                    }
+                    self.blocks[last as usize].next_dup = b;
+                }
+                Entry::Vacant(v) => {
+                    v.insert(b);
+                }
+            }
         }
         *num_cached = full;
         if !self.emit {
@@ -335,9 +364,11 @@ impl BlockPool {
         }
     }
 
-    /// Events collected since the last call, in order.
+    /// Events collected since the last call, in order. The next step's buffer starts with the
+    /// same capacity, so steady state does not regrow it event by event.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.events)
+        let cap = self.events.len();
+        std::mem::replace(&mut self.events, Vec::with_capacity(cap))
     }
 
     pub fn has_events(&self) -> bool {
@@ -348,7 +379,13 @@ impl BlockPool {
 
     /// GPU blocks currently holding `hash` (duplicates included).
     pub fn copies(&self, hash: u64) -> usize {
-        self.cached.get(&hash).map_or(0, |v| v.len())
+        let mut n = 0;
+        let mut b = self.cached.get(&hash).copied().unwrap_or(NIL);
+        while b != NIL {
+            n += 1;
+            b = self.blocks[b as usize].next_dup;
+        }
+        n
     }
 
     /// Distinct hashes cached on the GPU.

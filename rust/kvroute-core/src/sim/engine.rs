@@ -479,7 +479,7 @@ impl Engine {
         let first = r.output_len() == 0;
         let token = r.next_token(self.cfg.vocab_size);
         r.tokens.push(token);
-        if r.tokens.len() % bs == 0 {
+        if r.tokens.len() / bs > r.hashes.len() {
             r.extend_hashes(&self.hasher, bs, &mut self.hash_buf);
         }
         self.m.generation_tokens += 1;

@@ -22,14 +22,18 @@
 //! passed in, and every random choice comes from a seed.
 pub mod blockhash;
 pub mod cache;
+pub mod cluster;
 pub mod config;
 pub mod cpu;
 pub mod engine;
 pub mod latency;
 pub mod preset;
+pub mod replay;
 pub mod request;
+pub mod trace;
 
 pub use blockhash::HashAlgo;
 pub use engine::{Engine, EngineConfig, EngineMetrics, FinishReason, RequestOutput, StepResult};
 pub use latency::{LatencyModel, StepShape};
+pub use replay::{replay_mooncake, replay_records, ReplayConfig, ReplayReport};
 pub use request::NewRequest;
