@@ -6,7 +6,7 @@
 //! `BlockRemoved` names the evicted hash, one hash per event.
 use hashbrown::HashMap;
 
-use super::cache::IdHashBuilder;
+use super::idhash::IdHashBuilder;
 use crate::events::{BlockRemoved, BlockStored, KvEvent, Medium};
 
 const NIL: u32 = u32::MAX;
