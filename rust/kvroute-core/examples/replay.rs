@@ -35,7 +35,10 @@ fn main() {
     match replay_mooncake(&path, &cfg) {
         Ok(report) => {
             println!("policy {} preset {}", report.policy, report.preset);
-            for (k, v) in report.numbers() {
+            for (k, v) in report.counts() {
+                println!("{k:>24} {v}");
+            }
+            for (k, v) in report.figures() {
                 println!("{k:>24} {v:.3}");
             }
             println!(

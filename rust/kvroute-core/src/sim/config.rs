@@ -1,7 +1,7 @@
 //! The engine's configuration: a preset with overrides, validated once.
 use super::blockhash::HashAlgo;
 use super::latency::LatencyModel;
-use super::preset::{preset, PRESETS};
+use super::preset::{preset, DEFAULT_PRESET, PRESETS};
 use crate::{Error, Result};
 
 /// Everything an [`crate::sim::Engine`] is built from.
@@ -103,6 +103,82 @@ impl EngineConfig {
     }
 }
 
+/// A preset name plus optional overrides, as a CLI or a binding receives them (`None`: the
+/// preset's value). Integers are signed so that a negative value is reported by name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineOptions {
+    pub preset: String,
+    pub block_size: Option<i64>,
+    pub num_gpu_blocks: Option<i64>,
+    pub num_cpu_blocks: i64,
+    pub max_num_seqs: Option<i64>,
+    pub max_num_batched_tokens: Option<i64>,
+    pub hash_algo: String,
+    pub hash_seed: Option<String>,
+    pub seed: u64,
+    pub vocab_size: i64,
+    pub lora_paths: Vec<(String, String)>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            preset: DEFAULT_PRESET.into(),
+            block_size: None,
+            num_gpu_blocks: None,
+            num_cpu_blocks: 0,
+            max_num_seqs: None,
+            max_num_batched_tokens: None,
+            hash_algo: HashAlgo::Sha256.name().into(),
+            hash_seed: None,
+            seed: 0,
+            vocab_size: 128_000,
+            lora_paths: Vec::new(),
+        }
+    }
+}
+
+/// `v` as a `usize`, or an error naming `name`.
+fn size(name: &str, v: i64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{name} must be >= 0, got {v}")))
+}
+
+impl EngineOptions {
+    /// The validated configuration.
+    pub fn resolve(&self) -> Result<EngineConfig> {
+        let mut c = EngineConfig::from_preset(&self.preset)?;
+        let pick = |name, v: Option<i64>, default| v.map_or(Ok(default), |v| size(name, v));
+        c.block_size = pick("block_size", self.block_size, c.block_size)?;
+        c.num_gpu_blocks = pick("num_gpu_blocks", self.num_gpu_blocks, c.num_gpu_blocks)?;
+        c.num_cpu_blocks = size("num_cpu_blocks", self.num_cpu_blocks)?;
+        c.max_num_seqs = pick("max_num_seqs", self.max_num_seqs, c.max_num_seqs)?;
+        c.max_num_batched_tokens = pick(
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            c.max_num_batched_tokens,
+        )?;
+        c.hash_algo = HashAlgo::parse(&self.hash_algo).ok_or_else(|| {
+            let known: Vec<_> = HashAlgo::ALL.iter().map(|a| a.name()).collect();
+            Error::InvalidArgument(format!(
+                "unknown hash_algo {:?} (known: {})",
+                self.hash_algo,
+                known.join(", ")
+            ))
+        })?;
+        c.hash_seed = self.hash_seed.clone();
+        c.seed = self.seed;
+        c.vocab_size = u32::try_from(self.vocab_size).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "vocab_size must be in 1..2^32, got {}",
+                self.vocab_size
+            ))
+        })?;
+        c.lora_paths = self.lora_paths.clone();
+        c.validate()?;
+        Ok(c)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,5 +193,67 @@ mod tests {
         c.num_gpu_blocks = 1;
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("num_gpu_blocks"), "{e}");
+    }
+
+    #[test]
+    fn options_override_the_preset_and_name_bad_values() {
+        let o = EngineOptions {
+            preset: "dynamo-mocker".into(),
+            num_gpu_blocks: Some(100),
+            hash_algo: "xxh3".into(),
+            ..Default::default()
+        };
+        let c = o.resolve().unwrap();
+        assert_eq!(
+            (c.block_size, c.num_gpu_blocks, c.hash_algo),
+            (64, 100, HashAlgo::Xxh3)
+        );
+        for (o, what) in [
+            (
+                EngineOptions {
+                    block_size: Some(-1),
+                    ..Default::default()
+                },
+                "block_size",
+            ),
+            (
+                EngineOptions {
+                    num_cpu_blocks: -3,
+                    ..Default::default()
+                },
+                "num_cpu_blocks",
+            ),
+            (
+                EngineOptions {
+                    hash_algo: "md5".into(),
+                    ..Default::default()
+                },
+                "hash_algo",
+            ),
+            (
+                EngineOptions {
+                    vocab_size: 0,
+                    ..Default::default()
+                },
+                "vocab_size",
+            ),
+            (
+                EngineOptions {
+                    max_num_seqs: Some(0),
+                    ..Default::default()
+                },
+                "max_num_seqs",
+            ),
+            (
+                EngineOptions {
+                    preset: "x".into(),
+                    ..Default::default()
+                },
+                "preset",
+            ),
+        ] {
+            let e = o.resolve().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        }
     }
 }

@@ -35,6 +35,7 @@ pub mod request;
 pub mod trace;
 
 pub use blockhash::HashAlgo;
+pub use config::EngineOptions;
 pub use engine::{Engine, EngineConfig, EngineMetrics, FinishReason, RequestOutput, StepResult};
 pub use latency::{LatencyModel, StepShape};
 pub use replay::{replay_mooncake, replay_records, ReplayConfig, ReplayReport};

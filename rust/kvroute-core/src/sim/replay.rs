@@ -91,11 +91,22 @@ pub struct ReplayReport {
 }
 
 impl ReplayReport {
-    /// Every numeric figure by name (for tables and bindings).
-    pub fn numbers(&self) -> Vec<(&'static str, f64)> {
+    /// The integer figures by name.
+    pub fn counts(&self) -> Vec<(&'static str, u64)> {
         vec![
-            ("replicas", self.replicas as f64),
-            ("num_requests", self.num_requests as f64),
+            ("replicas", self.replicas as u64),
+            ("num_requests", self.num_requests as u64),
+            ("prompt_tokens", self.prompt_tokens),
+            ("output_tokens", self.output_tokens),
+            ("preemptions", self.preemptions),
+            ("engine_steps", self.engine_steps),
+            ("kv_event_batches", self.kv_event_batches),
+        ]
+    }
+
+    /// The real-valued figures by name.
+    pub fn figures(&self) -> Vec<(&'static str, f64)> {
+        vec![
             ("mean_ttft_ms", self.mean_ttft_ms),
             ("p50_ttft_ms", self.p50_ttft_ms),
             ("p90_ttft_ms", self.p90_ttft_ms),
@@ -105,14 +116,9 @@ impl ReplayReport {
             ("duration_s", self.duration_s),
             ("request_throughput_rps", self.request_throughput_rps),
             ("output_tokens_per_s", self.output_tokens_per_s),
-            ("prompt_tokens", self.prompt_tokens as f64),
-            ("output_tokens", self.output_tokens as f64),
             ("gpu_hit_ratio", self.gpu_hit_ratio),
             ("cpu_hit_ratio", self.cpu_hit_ratio),
             ("load_imbalance", self.load_imbalance),
-            ("preemptions", self.preemptions as f64),
-            ("engine_steps", self.engine_steps as f64),
-            ("kv_event_batches", self.kv_event_batches as f64),
             ("wall_time_s", self.wall_time_s),
         ]
     }
