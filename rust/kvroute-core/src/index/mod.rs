@@ -336,6 +336,10 @@ impl PrefixIndex {
 
     /// Adds or removes `op` for `slot` on the single block at (`node`, `off`).
     fn touch_one(&mut self, slot: u16, node: NodeId, off: usize, op: Op, add: bool, now: Nanos) {
+        if !add && self.is_sole_last_copy(slot, node, off, op) {
+            self.tree.pop_last(node);
+            return;
+        }
         let seg = self.tree.isolate(node, off, off + 1);
         self.tree.update_res(seg, slot, op, add, now);
         if self.tree.nodes[seg as usize].res.is_empty()
@@ -348,6 +352,22 @@ impl PrefixIndex {
             if first != ROOT && self.tree.nodes[first as usize].live {
                 self.tree.merge_around(first);
             }
+        }
+    }
+
+    /// Whether removing `op`'s copy of the block at (`node`, `off`) empties the tail of a leaf
+    /// that only `slot` holds: then the block can simply be dropped, with no split.
+    fn is_sole_last_copy(&self, slot: u16, node: NodeId, off: usize, op: Op) -> bool {
+        let n = &self.tree.nodes[node as usize];
+        if off + 1 != n.len() || n.children.len() != 0 || n.res.len() != 1 || n.res[0].slot != slot
+        {
+            return false;
+        }
+        let r = n.res[0];
+        match op {
+            Op::Store { cpu: false } => r.gpu == 1 && r.cpu == 0 && r.spec_until == 0,
+            Op::Store { cpu: true } => r.cpu == 1 && r.gpu == 0 && r.spec_until == 0,
+            Op::Speculate { .. } => false,
         }
     }
 

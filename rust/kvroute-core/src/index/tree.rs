@@ -387,20 +387,43 @@ impl Tree {
         n.res = ResVec::new();
         self.nodes[parent as usize].children.remove(first);
         for b in ids {
-            let eng = self.blocks[b as usize].engine;
-            if eng != 0 && self.engine.get(&eng) == Some(&b) {
-                self.engine.remove(&eng);
-            }
-            if let Some(al) = self.aliases.remove(&b) {
-                for e in al {
-                    if self.engine.get(&e) == Some(&b) {
-                        self.engine.remove(&e);
-                    }
-                }
-            }
-            self.free_blocks.push(b);
+            self.free_block(b);
         }
         self.free_nodes.push(node);
+    }
+
+    /// Forgets block `b` (its engine hashes included) and recycles its id.
+    fn free_block(&mut self, b: BlockId) {
+        let eng = self.blocks[b as usize].engine;
+        if eng != 0 && self.engine.get(&eng) == Some(&b) {
+            self.engine.remove(&eng);
+        }
+        if let Some(al) = self.aliases.remove(&b) {
+            for e in al {
+                if self.engine.get(&e) == Some(&b) {
+                    self.engine.remove(&e);
+                }
+            }
+        }
+        self.free_blocks.push(b);
+    }
+
+    /// Drops the last block of the leaf `node` (the common eviction: vLLM evicts tails first),
+    /// deleting the node, and pruning up, when it was the only block.
+    pub fn pop_last(&mut self, node: NodeId) {
+        debug_assert!(node != ROOT && self.nodes[node as usize].children.len() == 0);
+        if self.nodes[node as usize].len() == 1 {
+            let parent = self.nodes[node as usize].parent;
+            self.delete_leaf(node);
+            self.prune(parent);
+            return;
+        }
+        self.count_res(node, -1);
+        let n = &mut self.nodes[node as usize];
+        n.hashes.pop();
+        let b = n.ids.pop().expect("a non-empty run");
+        self.count_res(node, 1);
+        self.free_block(b);
     }
 
     /// Merges `node` with its single child, and its parent with it, where residency agrees.
