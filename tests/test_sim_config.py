@@ -114,7 +114,8 @@ def test_completion_parsing() -> None:
     assert parse_completion({"prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
     assert parse_completion({"prompt": ["a", [4, 5]]}).prompts == ("a", (4, 5))
     s = parse_completion({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}).sampling
-    assert s.stream and s.include_usage
+    assert s.stream
+    assert s.include_usage
     bad(parse_completion, [], "JSON object")
     bad(parse_completion, {"prompt": 3}, "prompt")
     bad(parse_completion, {"prompt": []}, "prompt")
@@ -181,5 +182,6 @@ def test_sse_and_usage() -> None:
         "prompt_tokens_details": {"cached_tokens": 8},
     }
     frame = sse({"a": "é"})
-    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert frame.startswith(b"data: ")
+    assert frame.endswith(b"\n\n")
     assert json.loads(frame[6:]) == {"a": "é"}
