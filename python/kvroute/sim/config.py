@@ -48,7 +48,8 @@ class EngineConfig:
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     seed: int = 0
-    vocab_size: int = 128000
+    vocab_size: int | None = None
+    """Token ids the engine accepts and generates; None = the tokenizer's whole vocabulary."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,7 @@ def _validate(c: SimConfig) -> None:
         v = getattr(e, name)
         _check(v is None or v >= 1, f"{name}: must be >= 1, got {v}")
     _check(e.num_cpu_blocks >= 0, f"num_cpu_blocks: must be >= 0, got {e.num_cpu_blocks}")
-    _check(e.vocab_size >= 2, "vocab_size: must be >= 2")
+    _check(e.vocab_size is None or e.vocab_size >= 2, "vocab_size: must be >= 2")
     for spec in c.faults:
         _check(spec.replica is None or spec.replica < c.replicas, f"fault {spec}: no replica {spec.replica}")
     _check(
