@@ -79,6 +79,54 @@ impl ValueType {
     }
 }
 
+/// The header forms of a length-prefixed type: one table that [`Reader`] and [`Writer`] both
+/// follow. A *fix* form carries the length in the marker's low bits; the other forms are a
+/// marker followed by an 8-, 16- or 32-bit big-endian length.
+struct LenForms {
+    /// The fix form's first marker and the mask of its length bits (the marker is
+    /// `first | len`), if the type has a fix form.
+    fix: Option<(u8, u8)>,
+    /// The marker of the 8-bit length form, if the type has one.
+    m8: Option<u8>,
+    m16: u8,
+    m32: u8,
+    /// The type's name, for errors.
+    name: &'static str,
+}
+
+/// fixarray (`0x90..=0x9f`), array16, array32.
+const ARRAY: LenForms = LenForms {
+    fix: Some((0x90, 0x0f)),
+    m8: None,
+    m16: 0xdc,
+    m32: 0xdd,
+    name: "array",
+};
+/// fixmap (`0x80..=0x8f`), map16, map32 (the length counts key/value pairs).
+const MAP: LenForms = LenForms {
+    fix: Some((0x80, 0x0f)),
+    m8: None,
+    m16: 0xde,
+    m32: 0xdf,
+    name: "map",
+};
+/// fixstr (`0xa0..=0xbf`), str8, str16, str32.
+const STR: LenForms = LenForms {
+    fix: Some((0xa0, 0x1f)),
+    m8: Some(0xd9),
+    m16: 0xda,
+    m32: 0xdb,
+    name: "str",
+};
+/// bin8, bin16, bin32 (no fix form).
+const BIN: LenForms = LenForms {
+    fix: None,
+    m8: Some(0xc4),
+    m16: 0xc5,
+    m32: 0xc6,
+    name: "bin",
+};
+
 type Result<T> = std::result::Result<T, EventError>;
 
 #[inline]

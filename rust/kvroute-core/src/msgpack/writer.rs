@@ -1,5 +1,7 @@
 //! [`Writer`]: appends msgpack to a `Vec<u8>` in the shortest forms, as msgspec writes them.
 
+use super::{LenForms, ARRAY, BIN, MAP, STR};
+
 /// Appends msgpack to a `Vec<u8>`, shortest forms as msgspec writes them.
 ///
 /// Lengths above `u32::MAX` cannot be expressed in msgpack; the length-writing methods panic on
@@ -32,25 +34,28 @@ impl Writer {
         u32::try_from(len).expect("msgpack lengths are at most u32::MAX")
     }
 
-    fn header(&mut self, len: usize, fix: u8, fix_max: usize, m16: u8, m32: u8) {
+    /// Writes the shortest header of `forms` for a value of `len` (elements, pairs or bytes).
+    fn header(&mut self, len: usize, forms: &LenForms) {
         let len = Self::len32(len);
-        if (len as usize) <= fix_max {
-            self.buf.push(fix | len as u8);
+        if let Some((first, _)) = forms.fix.filter(|&(_, mask)| len <= u32::from(mask)) {
+            self.buf.push(first | len as u8);
+        } else if let (Some(m8), Ok(l)) = (forms.m8, u8::try_from(len)) {
+            self.buf.extend_from_slice(&[m8, l]);
         } else if let Ok(l) = u16::try_from(len) {
-            self.buf.push(m16);
+            self.buf.push(forms.m16);
             self.buf.extend_from_slice(&l.to_be_bytes());
         } else {
-            self.buf.push(m32);
+            self.buf.push(forms.m32);
             self.buf.extend_from_slice(&len.to_be_bytes());
         }
     }
 
     pub fn write_array_len(&mut self, len: usize) {
-        self.header(len, 0x90, 15, 0xdc, 0xdd);
+        self.header(len, &ARRAY);
     }
 
     pub fn write_map_len(&mut self, len: usize) {
-        self.header(len, 0x80, 15, 0xde, 0xdf);
+        self.header(len, &MAP);
     }
 
     /// A map header of `len` pairs in the width msgspec picks for a struct that *could* have
@@ -70,34 +75,12 @@ impl Writer {
     }
 
     pub fn write_str(&mut self, s: &str) {
-        let len = Self::len32(s.len());
-        if len < 32 {
-            self.buf.push(0xa0 | len as u8);
-        } else if let Ok(l) = u8::try_from(len) {
-            self.buf.push(0xd9);
-            self.buf.push(l);
-        } else if let Ok(l) = u16::try_from(len) {
-            self.buf.push(0xda);
-            self.buf.extend_from_slice(&l.to_be_bytes());
-        } else {
-            self.buf.push(0xdb);
-            self.buf.extend_from_slice(&len.to_be_bytes());
-        }
+        self.header(s.len(), &STR);
         self.buf.extend_from_slice(s.as_bytes());
     }
 
     pub fn write_bin(&mut self, b: &[u8]) {
-        let len = Self::len32(b.len());
-        if let Ok(l) = u8::try_from(len) {
-            self.buf.push(0xc4);
-            self.buf.push(l);
-        } else if let Ok(l) = u16::try_from(len) {
-            self.buf.push(0xc5);
-            self.buf.extend_from_slice(&l.to_be_bytes());
-        } else {
-            self.buf.push(0xc6);
-            self.buf.extend_from_slice(&len.to_be_bytes());
-        }
+        self.header(b.len(), &BIN);
         self.buf.extend_from_slice(b);
     }
 

@@ -2,7 +2,7 @@
 //! length-prefixed values (str, bin, array and map headers) and skipping whole values. The numeric
 //! reads are in `numbers.rs`.
 
-use super::{check_utf8, malformed, Result, ValueType, MAX_DEPTH};
+use super::{check_utf8, malformed, LenForms, Result, ValueType, ARRAY, BIN, MAP, MAX_DEPTH, STR};
 use crate::error::EventError;
 
 mod numbers;
@@ -161,26 +161,38 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Consumes the header (marker and length) of a length-prefixed value in the given forms and
+    /// returns the length, not yet checked against the bytes left. Errors are reported at the
+    /// marker. Always inlined, so that the forms, constants at every call, fold away.
+    #[inline(always)]
+    fn read_len(&mut self, forms: &LenForms) -> Result<usize> {
+        let start = self.pos;
+        let m = self.peek_byte()?;
+        if let Some((first, mask)) = forms.fix {
+            if m & !mask == first {
+                self.pos += 1;
+                return Ok(usize::from(m & mask));
+            }
+        }
+        if forms.m8 == Some(m) {
+            self.pos += 1;
+            Ok(usize::from(self.take_u8(start)?))
+        } else if m == forms.m16 {
+            self.pos += 1;
+            Ok(usize::from(self.take_u16(start)?))
+        } else if m == forms.m32 {
+            self.pos += 1;
+            Ok(self.take_u32(start)? as usize)
+        } else {
+            Err(self.mismatch(start, forms.name))
+        }
+    }
+
     /// Reads the header of an array; the length is at most the bytes left.
     #[inline]
     pub fn read_array_len(&mut self) -> Result<usize> {
         let start = self.pos;
-        let m = self.peek_byte()?;
-        let len = match m {
-            0x90..=0x9f => {
-                self.pos += 1;
-                usize::from(m & 0x0f)
-            }
-            0xdc => {
-                self.pos += 1;
-                usize::from(self.take_u16(start)?)
-            }
-            0xdd => {
-                self.pos += 1;
-                self.take_u32(start)? as usize
-            }
-            _ => return Err(self.mismatch(start, "array")),
-        };
+        let len = self.read_len(&ARRAY)?;
         if len > self.remaining() {
             self.pos = start;
             return Err(malformed(start, "array length exceeds the bytes left"));
@@ -193,22 +205,7 @@ impl<'a> Reader<'a> {
     #[inline]
     pub fn read_map_len(&mut self) -> Result<usize> {
         let start = self.pos;
-        let m = self.peek_byte()?;
-        let len = match m {
-            0x80..=0x8f => {
-                self.pos += 1;
-                usize::from(m & 0x0f)
-            }
-            0xde => {
-                self.pos += 1;
-                usize::from(self.take_u16(start)?)
-            }
-            0xdf => {
-                self.pos += 1;
-                self.take_u32(start)? as usize
-            }
-            _ => return Err(self.mismatch(start, "map")),
-        };
+        let len = self.read_len(&MAP)?;
         if len.saturating_mul(2) > self.remaining() {
             self.pos = start;
             return Err(malformed(start, "map length exceeds the bytes left"));
@@ -222,26 +219,7 @@ impl<'a> Reader<'a> {
     #[inline]
     pub fn read_str_bytes(&mut self) -> Result<&'a [u8]> {
         let start = self.pos;
-        let m = self.peek_byte()?;
-        let len = match m {
-            0xa0..=0xbf => {
-                self.pos += 1;
-                usize::from(m & 0x1f)
-            }
-            0xd9 => {
-                self.pos += 1;
-                usize::from(self.take_u8(start)?)
-            }
-            0xda => {
-                self.pos += 1;
-                usize::from(self.take_u16(start)?)
-            }
-            0xdb => {
-                self.pos += 1;
-                self.take_u32(start)? as usize
-            }
-            _ => return Err(self.mismatch(start, "str")),
-        };
+        let len = self.read_len(&STR)?;
         self.take(len, start).inspect_err(|_| self.pos = start)
     }
 
@@ -256,21 +234,7 @@ impl<'a> Reader<'a> {
     /// Reads a `bin` value, borrowed from the buffer.
     pub fn read_bin(&mut self) -> Result<&'a [u8]> {
         let start = self.pos;
-        let len = match self.peek_byte()? {
-            0xc4 => {
-                self.pos += 1;
-                usize::from(self.take_u8(start)?)
-            }
-            0xc5 => {
-                self.pos += 1;
-                usize::from(self.take_u16(start)?)
-            }
-            0xc6 => {
-                self.pos += 1;
-                self.take_u32(start)? as usize
-            }
-            _ => return Err(self.mismatch(start, "bin")),
-        };
+        let len = self.read_len(&BIN)?;
         self.take(len, start).inspect_err(|_| self.pos = start)
     }
 
