@@ -8,10 +8,10 @@ import time
 import msgpack
 import zmq
 import zmq.asyncio
+from tests.router_support import async_test
 
 from kvroute import PrefixIndex
 from kvroute.events import END_SEQ, EventStats, EventSubscriber, SeqTracker, batch_timestamp
-from tests.router_support import async_test
 
 W = 3
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.router_support import async_test
 
 from kvroute.health import parse_vllm_metrics
 from kvroute.server.limits import Busy, Limiter
-from tests.router_support import async_test
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
