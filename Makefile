@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # maturin installs into the environment named by VIRTUAL_ENV.
 MATURIN := VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin
-PYSRC := python/kvroute tests
+PYSRC := python/kvroute tests benches
 
 .PHONY: help install dev fmt lint test test-rust test-python bench ci
 

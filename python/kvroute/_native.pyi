@@ -27,6 +27,8 @@ __all__ = [
     "MAX_WORKERS",
     "POLICIES",
     "POLICY_PARAMS",
+    "SIM_HASH_ALGOS",
+    "SIM_PRESETS",
     "Decision",
     "InvalidArgumentError",
     "InvalidEventError",
@@ -35,6 +37,8 @@ __all__ = [
     "PrefixIndex",
     "SaturatedError",
     "Scheduler",
+    "SimEngine",
+    "StepResult",
     "TooManyWorkersError",
     "UnknownPolicyError",
     "UnknownWorkerError",
@@ -42,6 +46,7 @@ __all__ = [
     "block_hashes",
     "block_hashes_list",
     "chain_hash",
+    "replay_mooncake",
     "root_hash",
     "vllm_block_hashes",
 ]
@@ -58,6 +63,11 @@ POLICIES: Final[list[str]]
 """Names of the routing policies, ``"kvroute"`` (the default) first."""
 POLICY_PARAMS: Final[list[str]]
 """Names of the policy knobs accepted by ``Scheduler(params=...)``."""
+SIM_PRESETS: Final[list[str]]
+"""Engine presets of :class:`SimEngine`, the default (``"llama3-8b-h100"``) first."""
+SIM_HASH_ALGOS: Final[list[str]]
+"""Block-hash algorithms of :class:`SimEngine`: vLLM's ``sha256`` and ``sha256_cbor``, and
+``xxh3`` (kvroute's content chain; fast, simulator only)."""
 
 class KvrouteError(Exception):
     """Base class of every error raised by kvroute."""
@@ -339,3 +349,102 @@ class Scheduler:
     def reservations(self) -> int: ...
     def counters(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...
+
+_Output: TypeAlias = tuple[str, list[int], bool, str | None, int, int]
+
+@final
+class StepResult:
+    """One engine step (frozen)."""
+
+    @property
+    def duration_s(self) -> float:
+        """Modelled time the step takes, seconds (0 when nothing was computed)."""
+    @property
+    def events(self) -> bytes | None:
+        """The step's KV-event batch as vLLM 0.33 publishes it (msgpack, map-encoded events), or
+        ``None`` when the step changed no cache state."""
+    @property
+    def events_legacy(self) -> bytes | None:
+        """The same batch with the legacy array encoding (vLLM <= 0.23)."""
+    @property
+    def seq(self) -> int | None:
+        """The batch's sequence number (counts batches from 0; restarts on :meth:`SimEngine.reset`)."""
+    @property
+    def outputs(self) -> list[_Output]:
+        """``(request_id, new_token_ids, finished, finish_reason, num_cached_tokens,
+        prompt_tokens)`` per request that produced something; ``finish_reason`` is ``"length"``,
+        ``"stop"`` or ``"abort"`` when finished."""
+
+@final
+class SimEngine:
+    """A simulated vLLM v1 engine: continuous batching, chunked prefill, a prefix cache with
+    vLLM's block hashes and events, an optional CPU tier, and a step-time model.
+
+    Drive it with :meth:`step` while :meth:`has_work`; apply ``time_scale`` to ``duration_s`` in
+    the caller. ``None`` arguments take the preset's value; bad values raise
+    :class:`InvalidArgumentError`.
+    """
+
+    def __new__(
+        cls,
+        *,
+        preset: str = "llama3-8b-h100",
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        num_cpu_blocks: int = 0,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
+        seed: int = 0,
+        vocab_size: int = 128000,
+        lora_paths: dict[str, str] | None = None,
+    ) -> Self: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_tokens: _Tokens,
+        max_tokens: int,
+        *,
+        lora: str | None = None,
+        salt: str | None = None,
+        ignore_eos: bool = True,
+        eos_token_id: int | None = None,
+    ) -> None:
+        """Queues a request. Raises :class:`InvalidArgumentError` for an id already in flight, an
+        empty prompt, ``max_tokens < 1``, token ids outside the vocabulary, or a request that
+        cannot fit in the KV cache."""
+    def abort(self, request_id: str) -> bool:
+        """Drops a request (its blocks stay cached); the next step reports it with reason
+        ``"abort"``. False if the id is not in flight."""
+    def has_work(self) -> bool: ...
+    def step(self, now_s: float) -> StepResult:
+        """One engine step at time ``now_s`` (the event batch's timestamp)."""
+    def reset(self) -> None:
+        """A restart: all requests dropped, caches empty, event ``seq`` and counters back to 0."""
+    def metrics(self) -> dict[str, float]:
+        """``running``, ``waiting``, ``kv_cache_usage`` (0..1), ``prefix_cache_queries``,
+        ``prefix_cache_hits``, ``external_prefix_cache_queries``, ``external_prefix_cache_hits``
+        (CPU tier), ``preemptions``, ``prompt_tokens_computed``, ``generation_tokens``,
+        ``cpu_blocks_used``, ``num_gpu_blocks``, ``num_cpu_blocks``, ``block_size``, ``steps``."""
+    def config(self) -> dict[str, object]:
+        """The preset name and every resolved parameter (``latency``: the step-time coefficients)."""
+
+def replay_mooncake(
+    path: str,
+    *,
+    replicas: int = 8,
+    policy: str = "round_robin",
+    preset: str = "llama3-8b-h100",
+    speedup: float = 1.0,
+    num_gpu_blocks: int | None = None,
+    num_cpu_blocks: int = 0,
+    block_size: int | None = None,
+    event_delay_s: float = 0.005,
+    limit: int | None = None,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Replays a Mooncake JSONL trace on ``replicas`` simulated engines behind the router, on
+    virtual time (the GIL is released). Returns the report: TTFT and end-to-end latency
+    percentiles (ms), throughput, GPU/CPU token hit ratios, requests per replica, load
+    imbalance, preemptions and ``wall_time_s``."""

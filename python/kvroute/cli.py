@@ -1,4 +1,4 @@
-"""The ``kvroute`` command: ``--version``, ``info`` and ``serve`` (the router)."""
+"""The ``kvroute`` command: ``--version``, ``info``, ``serve`` (the router) and ``sim``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from kvroute import DEFAULT_BLOCK_SIZE, MAX_WORKERS, PrefixIndex, __version__
 from kvroute.server import cli as serve_cli
+from kvroute.sim import cli as sim_cli
 
 
 def _info() -> int:
@@ -25,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print the version and the index's limits and memory baseline")
     serve_cli.add_parser(sub)
+    sim_cli.add_parser(sub)
     return p
 
 
@@ -35,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _info()
     if args.command == "serve":
         return serve_cli.run(args)
+    if args.command == "sim":
+        return sim_cli.run(args)
     parser.print_help(sys.stderr)
     return 2
 

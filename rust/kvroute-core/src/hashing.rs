@@ -323,8 +323,9 @@ impl VllmHasher {
         out
     }
 
-    /// [`Self::hash_block`] serialising into a caller-owned buffer (reused across a chain).
-    fn hash_block_with(
+    /// [`Self::hash_block`] serialising into a caller-owned buffer, so a caller hashing many
+    /// blocks (a chain, an engine simulator) allocates nothing per block.
+    pub fn hash_block_with(
         &self,
         buf: &mut Vec<u8>,
         parent: &Digest,

@@ -18,6 +18,7 @@ pub mod hashing;
 pub mod index;
 pub mod msgpack;
 pub mod scheduler;
+pub mod sim;
 
 pub use error::{Error, EventError, Result};
 

@@ -4,7 +4,8 @@
 //! * [`buffers`]: token ids / hashes from buffers (zero Python objects per element), payloads;
 //! * [`index`]: the `PrefixIndex` class;
 //! * [`hashing`]: block hashing helpers;
-//! * [`scheduler`]: the `Scheduler` and its `Decision`.
+//! * [`scheduler`]: the `Scheduler` and its `Decision`;
+//! * [`sim`]: the simulated engine (`SimEngine`, `StepResult`) and `replay_mooncake`.
 use pyo3::prelude::*;
 
 mod buffers;
@@ -12,6 +13,7 @@ mod errors;
 mod hashing;
 mod index;
 mod scheduler;
+mod sim;
 
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -40,5 +42,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::root_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::chain_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::vllm_block_hashes, m)?)?;
+    m.add_class::<sim::PySimEngine>()?;
+    m.add_class::<sim::PyStepResult>()?;
+    m.add_function(wrap_pyfunction!(sim::replay_mooncake, m)?)?;
+    m.add("SIM_PRESETS", kvroute_core::sim::preset::PRESETS.to_vec())?;
+    m.add(
+        "SIM_HASH_ALGOS",
+        kvroute_core::sim::HashAlgo::ALL.map(|a| a.name()).to_vec(),
+    )?;
     Ok(())
 }

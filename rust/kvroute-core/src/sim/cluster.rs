@@ -1,0 +1,283 @@
+//! N simulated engines behind the production router, on virtual time.
+//!
+//! The router is kvroute's own [`Scheduler`] (any policy) over a [`PrefixIndex`]; the engines'
+//! KV-event batches reach the index `event_delay_s` after the step that produced them ends (as
+//! a ZMQ subscriber sees them), and the request lifecycle is reported to the scheduler as a
+//! proxy would: `prefill_done` at the first token, `release` at the end.
+//!
+//! Time only moves through [`Cluster::run_until`]: a binary heap holds each busy engine's next
+//! wake-up (the end of its current step) and a FIFO holds event batches in flight (one fixed
+//! delay, so delivery order is production order). An engine that finishes a step with work left
+//! starts the next one at once; an idle engine starts when a request arrives.
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::engine::{Engine, EngineConfig, RequestOutput, StepResult};
+use super::latency::StepShape;
+use super::request::NewRequest;
+use crate::events::EventBatch;
+use crate::index::PrefixIndex;
+use crate::scheduler::{EngineMetrics, PolicyKind, Scheduler, SchedulerConfig, WorkerInfo};
+use crate::{Nanos, Result, WorkerId};
+
+/// Shortest step the driver lets an engine take, so time always moves.
+const MIN_STEP_S: f64 = 1e-6;
+
+/// How the cluster is built.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub replicas: usize,
+    pub engine: EngineConfig,
+    pub policy: PolicyKind,
+    /// Delay between a step's end and its events reaching the router's index.
+    pub event_delay_s: f64,
+    /// Apply event batches to the index. Batches are produced, delayed and counted either way;
+    /// applying them is pure overhead for policies that never read the index
+    /// ([`policy_reads_index`]).
+    pub feed_index: bool,
+    /// How often (virtual seconds) each engine's `/metrics` gauges reach the scheduler.
+    pub metrics_interval_s: f64,
+    pub seed: u64,
+}
+
+/// A time that orders totally (virtual seconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Time(f64);
+impl Eq for Time {}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+fn nanos(t: f64) -> Nanos {
+    (t.max(0.0) * 1e9) as Nanos
+}
+
+pub struct Cluster {
+    engines: Vec<Engine>,
+    /// The step each engine is executing (applied when it ends).
+    inflight: Vec<StepResult>,
+    busy: Vec<bool>,
+    last_scrape: Vec<f64>,
+    wakeups: BinaryHeap<Reverse<(Time, u32)>>,
+    kv_queue: VecDeque<(f64, u32, EventBatch)>,
+    scheduler: Scheduler,
+    index: Arc<Mutex<PrefixIndex>>,
+    /// Per request tag, its reservation at the scheduler while in flight.
+    routed: Vec<Option<u64>>,
+    event_delay_s: f64,
+    feed_index: bool,
+    metrics_interval_s: f64,
+    /// Event batches delivered to the index.
+    pub batches_delivered: u64,
+}
+
+impl Cluster {
+    pub fn new(cfg: &ClusterConfig) -> Result<Self> {
+        let index = Arc::new(Mutex::new(PrefixIndex::default()));
+        let mut sc = SchedulerConfig {
+            policy: cfg.policy,
+            block_size: cfg.engine.block_size as u32,
+            seed: cfg.seed,
+            ..Default::default()
+        };
+        calibrate(&mut sc, &cfg.engine);
+        let scheduler = Scheduler::new(sc, index.clone())?;
+        let mut engines = Vec::with_capacity(cfg.replicas);
+        for w in 0..cfg.replicas {
+            engines.push(Engine::new(cfg.engine.clone())?);
+            scheduler.upsert_worker(WorkerInfo {
+                id: w as WorkerId,
+                capacity_blocks: (cfg.engine.num_gpu_blocks - 1) as u32,
+                cpu_capacity_blocks: cfg.engine.num_cpu_blocks as u32,
+                healthy: true,
+                metrics: None,
+            })?;
+        }
+        Ok(Cluster {
+            inflight: vec![StepResult::default(); cfg.replicas],
+            busy: vec![false; cfg.replicas],
+            last_scrape: vec![f64::NEG_INFINITY; cfg.replicas],
+            engines,
+            wakeups: BinaryHeap::new(),
+            kv_queue: VecDeque::new(),
+            scheduler,
+            index,
+            routed: Vec::new(),
+            event_delay_s: cfg.event_delay_s.max(0.0),
+            feed_index: cfg.feed_index,
+            metrics_interval_s: cfg.metrics_interval_s,
+            batches_delivered: 0,
+        })
+    }
+
+    pub fn engines(&self) -> &[Engine] {
+        &self.engines
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// Routes a request arriving at `now` and queues it on the chosen engine; returns the worker.
+    /// The request's `tag` must be unique (it keys the router's bookkeeping).
+    pub fn submit(&mut self, now: f64, req: NewRequest, expected_output: u32) -> Result<WorkerId> {
+        self.deliver(now);
+        let lora = req.lora.clone();
+        let salt = req.salt.clone();
+        let d = self.scheduler.select_and_reserve_tokens(
+            &req.prompt,
+            lora.as_deref(),
+            salt.as_deref(),
+            expected_output,
+            &[],
+            nanos(now),
+        )?;
+        let w = d.worker as usize;
+        let tag = req.tag as usize;
+        if self.routed.len() <= tag {
+            self.routed.resize(tag + 1, None);
+        }
+        self.routed[tag] = Some(d.reservation);
+        if let Err(e) = self.engines[w].add_request(req) {
+            self.scheduler.release(d.reservation, nanos(now));
+            self.routed[tag] = None;
+            return Err(e);
+        }
+        if !self.busy[w] {
+            self.start_step(w, now);
+        }
+        Ok(d.worker)
+    }
+
+    /// When the next thing happens (a step ends or a batch reaches the index), if anything will.
+    pub fn next_time(&self) -> Option<f64> {
+        let wake = self.wakeups.peek().map(|Reverse((t, _))| t.0);
+        let kv = self.kv_queue.front().map(|(t, _, _)| *t);
+        match (wake, kv) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Processes everything that happens up to and including `until`, in time order (at equal
+    /// times, event deliveries first). `sink` sees every request output with its engine and time.
+    pub fn run_until(&mut self, until: f64, sink: &mut impl FnMut(usize, &RequestOutput, f64)) {
+        while let Some(t) = self.next_time().filter(|&t| t <= until) {
+            if self.kv_queue.front().is_some_and(|(k, _, _)| *k <= t) {
+                self.deliver(t);
+                continue;
+            }
+            let Some(Reverse((_, w))) = self.wakeups.pop() else {
+                break;
+            };
+            self.end_step(w as usize, t, sink);
+        }
+    }
+
+    /// Applies every event batch due by `now` to the index.
+    fn deliver(&mut self, now: f64) {
+        if !self.kv_queue.front().is_some_and(|(t, _, _)| *t <= now) {
+            return;
+        }
+        while let Some((t, w, batch)) = self.kv_queue.pop_front() {
+            if t > now {
+                self.kv_queue.push_front((t, w, batch));
+                break;
+            }
+            if self.feed_index {
+                self.index
+                    .lock()
+                    .apply_batch(WorkerId::from(w), &batch, nanos(t))
+                    .expect("workers are registered at start");
+            }
+            self.batches_delivered += 1;
+        }
+    }
+
+    fn start_step(&mut self, w: usize, now: f64) {
+        self.engines[w].step_into(now, &mut self.inflight[w]);
+        let dur = self.inflight[w].duration_s.max(MIN_STEP_S);
+        self.busy[w] = true;
+        self.wakeups.push(Reverse((Time(now + dur), w as u32)));
+    }
+
+    /// Engine `w`'s step ends at `t`: its outputs and events take effect, the next step starts.
+    fn end_step(&mut self, w: usize, t: f64, sink: &mut impl FnMut(usize, &RequestOutput, f64)) {
+        let step = &mut self.inflight[w];
+        for o in &step.outputs {
+            if let Some(r) = self.routed.get(o.tag as usize).copied().flatten() {
+                if o.first {
+                    self.scheduler.prefill_done(r, nanos(t));
+                }
+                if o.finish.is_some() {
+                    self.scheduler.release(r, nanos(t));
+                    self.routed[o.tag as usize] = None;
+                }
+            }
+            sink(w, o, t);
+        }
+        if let Some(batch) = step.events.take() {
+            self.kv_queue
+                .push_back((t + self.event_delay_s, w as u32, batch));
+        }
+        if t - self.last_scrape[w] >= self.metrics_interval_s {
+            self.last_scrape[w] = t;
+            let m = self.engines[w].metrics();
+            let em = EngineMetrics {
+                running: m.running as u32,
+                waiting: m.waiting as u32,
+                kv_usage: m.kv_cache_usage,
+            };
+            // The worker is registered; an error here would be a bug in this driver.
+            let _ = self.scheduler.set_metrics(w as WorkerId, Some(em));
+        }
+        if self.engines[w].has_work() {
+            self.start_step(w, t);
+        } else {
+            self.busy[w] = false;
+        }
+    }
+}
+
+/// Whether `policy` routes on the event-fed prefix index (the others use load only, or their
+/// own tree of past decisions).
+pub fn policy_reads_index(policy: PolicyKind) -> bool {
+    !matches!(
+        policy,
+        PolicyKind::RoundRobin
+            | PolicyKind::Random
+            | PolicyKind::LeastLoaded
+            | PolicyKind::RayPrefixAffinity
+            | PolicyKind::SglangCacheAware
+    )
+}
+
+/// Gives kvroute's TTFT model the engine preset's own costs: per-token prefill cost at a full
+/// chunk, the cost of a decode step, the batch size and the CPU load cost.
+fn calibrate(sc: &mut SchedulerConfig, e: &EngineConfig) {
+    let chunk = e.max_num_batched_tokens as u64;
+    let mut prefill = StepShape::default();
+    prefill.add_prefill(chunk, 0);
+    let mut decode = StepShape {
+        sampled: 1,
+        ..Default::default()
+    };
+    decode.add_decode(1);
+    let p = &mut sc.params;
+    p.step_s = e.latency.step_time(&decode);
+    p.prefill_s_per_token =
+        (e.latency.step_time(&prefill) - e.latency.step_overhead_s) / chunk as f64;
+    p.decode_s_per_seq = e.latency.decode_s_per_seq;
+    p.cpu_load_s_per_token = e.latency.cpu_load_s_per_token;
+    p.max_batched_tokens = e.max_num_batched_tokens as u32;
+}
