@@ -1,4 +1,4 @@
-"""The `kvroute` command: `--version`, `info`, and `serve`'s flag handling (its server is tested end to end)."""
+"""The `kvroute` command: `--version`, `info`, and how `serve` handles its flags."""
 
 from __future__ import annotations
 
