@@ -13,7 +13,10 @@ from kvroute.chat_template import ChatTemplate
 from kvroute.prompts import PromptEncoder, load_tokenizer_files
 from kvroute.tokenization import Tokenizer, default_tokenizer_path
 
-WORDS = "the quick brown fox jumps over lazy dog 日本語 中文 ÄÖÜ 🎉 def return {x} 3.14 \n\t  ".split(" ")  # noqa: RUF001
+WORDS = [
+    *("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "日本語", "中文", "ÄÖÜ", "🎉"),
+    *("def", "return", "{x}", "3.14", "\n\t", "", ""),
+]
 
 
 @pytest.fixture(scope="module")
