@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -127,6 +127,7 @@ class RouterServer:
         engine = EngineConfig(block_size=c.block_size)
         if c.sim_preset is not None:
             engine = EngineConfig(preset=c.sim_preset, block_size=c.block_size)
+        extra: dict[str, Any] = {"max_model_len": c.max_model_len} if c.max_model_len else {}
         sim_config = SimConfig(
             model=c.served_model or "kvroute-sim",
             replicas=c.sim,
@@ -135,6 +136,7 @@ class RouterServer:
             replay_port_base=0,
             time_scale=c.sim_time_scale,
             engine=engine,
+            **extra,
         )
         self.sim = SimCluster(sim_config, tokenizer=encoder.reference, template=encoder.template)
         await self.sim.start()
