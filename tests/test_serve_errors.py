@@ -9,7 +9,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from tests.serve_support import RouterThread, router_config, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,7 +127,7 @@ def test_no_healthy_backend_is_503() -> None:
 
 def test_over_the_concurrency_limit_is_429_with_retry_after() -> None:
     with RouterThread(router_config(max_concurrency=2, max_queue=1, retry_after_s=3)) as r:
-        fake = r.add_fake(delay_s=1.0)
+        fake = r.add_fake(delay_s=0.5)
         r.admin("POST", "/admin/backends", json={"url": fake.url, "events": "none"}).raise_for_status()
 
         async def burst() -> list[httpx.Response]:
@@ -146,7 +145,7 @@ def test_over_the_concurrency_limit_is_429_with_retry_after() -> None:
 
 def test_every_engine_at_its_inflight_limit_is_429() -> None:
     with RouterThread(router_config(max_inflight_per_worker=1)) as r:
-        fake = r.add_fake(delay_s=1.0)
+        fake = r.add_fake(delay_s=0.5)
         r.admin("POST", "/admin/backends", json={"url": fake.url, "events": "none"}).raise_for_status()
 
         async def burst() -> list[httpx.Response]:

@@ -141,7 +141,12 @@ class RouterServer:
         self.sim = SimCluster(sim_config, tokenizer=encoder.reference, template=encoder.template)
         await self.sim.start()
         return [
-            BackendSpec(url=url, name=f"sim-{i}", events=events, replay=replay)
+            BackendSpec(
+                url=url,
+                name=f"sim-{i}",
+                events=events if c.kv_events else None,
+                replay=replay if c.kv_events else None,
+            )
             for i, (url, events, replay) in enumerate(
                 zip(self.sim.urls, self.sim.event_endpoints, self.sim.replay_endpoints, strict=True)
             )
