@@ -10,13 +10,30 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from tests.serve_support import RouterThread, router_config, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "kvroute-sim"
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+]
 
 
 def text(rng: random.Random, words: int) -> str:
