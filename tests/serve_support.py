@@ -78,7 +78,8 @@ class RouterThread:
         try:
             self.run(self.router.aclose())
             for fake in self.fakes:
-                self.run(fake.aclose())
+                if not fake.closed:
+                    self.run(fake.aclose())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(TIMEOUT_S)
@@ -138,6 +139,22 @@ class RouterThread:
         """Waits until the ledger is empty (every reservation released)."""
         wait_until(lambda: self.ledger() == (0, 0), timeout, lambda: f"ledger {self.ledger()}")
 
+    def prompt_tokens(self, messages: list[dict[str, Any]]) -> bytes:
+        """A chat prompt's token ids (u32 bytes), as the router computes them."""
+        prompt = self.run(self.router.state.encoder.chat(messages))
+        tokens: bytes = prompt.tokens
+        return tokens
+
+    def cached_blocks(self, backend: str, tokens: bytes) -> int:
+        """Leading blocks of ``tokens`` the router's index holds on ``backend``'s GPU."""
+        fleet = self.router.state.fleet
+
+        def read() -> int:
+            worker = fleet.backends[backend].engines[0].worker
+            return fleet.index.match_tokens(tokens).get(worker, (0, 0))[0]
+
+        return self.call(read)
+
     def add_fake(self, **behaviour: Any) -> FakeBackend:
         fake = FakeBackend(**behaviour)
         self.run(fake.start())
@@ -185,6 +202,7 @@ class FakeBackend:
     model: str = "kvroute-sim"
     received: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
     url: str = ""
+    closed: bool = False
 
     async def start(self) -> None:
         sock = socket.socket()
@@ -206,6 +224,7 @@ class FakeBackend:
             await asyncio.sleep(0.01)
 
     async def aclose(self) -> None:
+        self.closed = True
         self._server.should_exit = True
         self._server.force_exit = True
         await self._task

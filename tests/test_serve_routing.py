@@ -60,7 +60,6 @@ def send(r: RouterThread, messages: list[dict[str, str]], max_tokens: int = 4) -
 
 def test_second_turn_lands_on_the_engine_holding_the_first(router: RouterThread) -> None:
     rng = random.Random(3)
-    fleet = router.router.state.fleet
     for conv in range(8):
         history = [
             {"role": "system", "content": f"conversation {conv}: " + text(rng, 400)},
@@ -68,14 +67,8 @@ def test_second_turn_lands_on_the_engine_holding_the_first(router: RouterThread)
         ]
         first, reply = send(router, history)
         # Wait until the engine's KV events for turn 1 have reached the index.
-        worker = fleet.backends[first].engines[0].worker
-        tokens = router.run(router.router.state.encoder.chat(history))
-        blocks = tokens.count // 16
-        wait_until(
-            lambda: (
-                router.call(lambda: fleet.index.match_tokens(tokens.tokens)).get(worker, (0, 0))[0] >= blocks
-            )
-        )
+        tokens = router.prompt_tokens(history)
+        wait_until(lambda: router.cached_blocks(first, tokens) >= len(tokens) // 64)  # noqa: B023
         history += [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rng, 30)}]
         second, _ = send(router, history)
         assert second == first, f"conversation {conv}: turn 1 on {first}, turn 2 on {second}"

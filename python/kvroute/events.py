@@ -12,6 +12,8 @@ across what can go wrong on the wire (``../shared/docs/vllm.md`` section 1):
 * **Restart** (``seq`` goes backwards) and **new connection** (the socket monitor reports a
   connect: the first one, or a reconnect after the engine went away): the engine's cache may be
   new, so its entries are cleared and everything the replay buffer holds is applied from seq 0.
+* **Recovery**: a backend that comes back after being unhealthy is resynced the same way (it
+  may have restarted without its socket noticing).
 * **Reconnect**: libzmq reconnects with exponential backoff (``RECONNECT_IVL`` up to
   ``RECONNECT_IVL_MAX``); a failing socket is recreated, with backoff too.
 
@@ -41,6 +43,7 @@ log = logging.getLogger("kvroute.events")
 END_SEQ = b"\xff" * 8
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5000
+POLL_MS = 100
 
 
 @dataclass(slots=True)
@@ -214,6 +217,12 @@ class EventSubscriber:
         self.stats = stats or EventStats()
         self.tracker = SeqTracker(index, worker, self.replay, self.stats)
         self._task: asyncio.Task[None] | None = None
+        self._resync_requested = False
+
+    def request_resync(self) -> None:
+        """Clears the engine's entries and replays its buffer (soon, in the subscriber's task):
+        called when a backend comes back after being unhealthy, as it may have restarted."""
+        self._resync_requested = True
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
@@ -254,7 +263,10 @@ class EventSubscriber:
             poller.register(sub, zmq.POLLIN)
             poller.register(mon, zmq.POLLIN)
             while True:
-                ready = dict(await poller.poll())
+                if self._resync_requested:
+                    self._resync_requested = False
+                    await self.tracker.resync("requested")
+                ready = dict(await poller.poll(POLL_MS))
                 if mon in ready:
                     event = parse_monitor_message(await mon.recv_multipart())["event"]
                     if event == zmq.EVENT_CONNECTED:

@@ -159,6 +159,9 @@ class Fleet:
         self._zmq.term()
 
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
+        if healthy and not backend.healthy:
+            for sub in backend.subscribers:
+                sub.request_resync()
         backend.healthy = healthy
         for e in backend.engines:
             if e.worker in self.by_worker:
