@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from typing import Any
 
 import httpx
 import openai
 import pytest
-
 from tests.serve_support import RouterThread, router_config, wait_until
 
 pytestmark = pytest.mark.timeout(120)
