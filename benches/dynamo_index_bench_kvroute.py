@@ -119,7 +119,8 @@ def main() -> None:
     if not HARNESS.exists():
         sys.exit(f"harness not found at {HARNESS}; set KVROUTE_DYNAMO_BENCH")
     spec = importlib.util.spec_from_file_location("dynamo_index_bench", HARNESS)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.ADAPTERS["kvroute"] = KvrouteAdapter
