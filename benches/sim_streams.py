@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 HOST = "127.0.0.1"
@@ -118,6 +119,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_level(port: int, concurrency: int, max_tokens: int, seconds: float) -> dict[str, float]:
+    """C streams at once, until they finish or ``seconds`` pass."""
     deadline = time.perf_counter() + seconds
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one_stream(port, max_tokens, i, deadline) for i in range(concurrency)))
@@ -137,6 +139,18 @@ async def run_level(port: int, concurrency: int, max_tokens: int, seconds: float
         "itl_p50_ms": 1000 * pct(gaps, 0.5),
         "itl_p99_ms": 1000 * pct(gaps, 0.99),
     }
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The simulator's own step counters from /metrics."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("engine_steps", "modelled_step_seconds", "late_step_seconds"):
+            if line.startswith(f"kvroute_sim:{name}_total{{"):
+                out[name] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def start_sim(port: int, time_scale: float, extra: list[str]) -> subprocess.Popen[bytes]:
@@ -181,7 +195,10 @@ def main() -> int:
     args = p.parse_args()
     regimes = ["fast", "real"] if args.regime == "both" else [args.regime]
     print(f"# kvroute sim streams; cpus={os.cpu_count()} max_tokens={args.max_tokens} bound={args.seconds}s")
-    header = "regime  conc  started  done  errors  tokens/s  ttft_p50_ms  ttft_p99_ms  itl_p50_ms  itl_p99_ms"
+    header = (
+        "regime  conc  started  done  errors  tokens/s  ttft_p50_ms  ttft_p99_ms  itl_p50_ms  itl_p99_ms"
+        "  steps  model_step_ms  late_ms/step"
+    )
     if not args.json:
         print(header)
     for regime in regimes:
@@ -191,15 +208,21 @@ def main() -> int:
             proc = start_sim(port, scale, [])
             try:
                 r = asyncio.run(run_level(port, c, args.max_tokens, args.seconds))
+                m = scrape(port)
             finally:
                 stop_sim(proc)
+            steps = max(1.0, m.get("engine_steps", 0.0))
+            r["steps"] = steps
+            r["modelled_step_ms"] = 1000 * m.get("modelled_step_seconds", 0.0) / steps
+            r["late_ms_per_step"] = 1000 * m.get("late_step_seconds", 0.0) / steps
             if args.json:
                 print(json.dumps({"regime": regime, **r}))
             else:
                 print(
                     f"{regime:6}  {c:4}  {r['streams_started']:7.0f}  {r['streams_done']:4.0f}  "
                     f"{r['errors']:6.0f}  {r['tokens_per_s']:8.0f}  {r['ttft_p50_ms']:11.1f}  "
-                    f"{r['ttft_p99_ms']:11.1f}  {r['itl_p50_ms']:10.1f}  {r['itl_p99_ms']:10.1f}",
+                    f"{r['ttft_p99_ms']:11.1f}  {r['itl_p50_ms']:10.1f}  {r['itl_p99_ms']:10.1f}  "
+                    f"{r['steps']:5.0f}  {r['modelled_step_ms']:13.2f}  {r['late_ms_per_step']:12.2f}",
                     flush=True,
                 )
     return 0

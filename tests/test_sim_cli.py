@@ -21,6 +21,20 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown fault kind" in capsys.readouterr().err
 
 
+def test_engine_refusals_and_taken_ports_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert (
+            main(["sim", "--base-port", str(port), "--kv-events-port-base", "0", "--replay-port-base", "0"])
+            == 2
+        )
+    assert "kvroute sim:" in capsys.readouterr().err
+
+
 def test_help_documents_ports_and_faults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["sim", "--help"])

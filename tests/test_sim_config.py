@@ -51,6 +51,7 @@ def test_port_convention() -> None:
         ({"engine": EngineConfig(num_cpu_blocks=-1)}, "num_cpu_blocks"),
         ({"faults": (FaultSpec("restart", replica=3),)}, "no replica 3"),
         ({"model": " "}, "model"),
+        ({"engine": EngineConfig(preset="h200-dreams")}, "preset"),
     ],
 )
 def test_invalid_configs_name_the_setting(changes: dict[str, object], match: str) -> None:

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from kvroute._native import SIM_PRESETS, InvalidArgumentError
 from kvroute.sim.config import HASH_ALGOS, ConfigError, SimConfig
 from kvroute.sim.faults import FaultError, FaultSpec
 
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     a("--replicas", type=int, help="number of replicas (default 1)")
     a("--host", help="HTTP bind address (default 127.0.0.1)")
     a("--base-port", type=int, help="HTTP port of replica 0 (default 8000; 0 = free ports)")
-    a("--preset", help="engine preset (default llama3-8b-h100)")
+    a("--preset", choices=SIM_PRESETS, help="engine preset (default llama3-8b-h100)")
     a("--time-scale", type=float, help="run the engine this many times faster than real time")
     a("--block-size", type=int)
     a("--num-gpu-blocks", type=int)
@@ -101,5 +102,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # uvloop is optional off Linux/macOS
         runner = asyncio.Runner()
     with runner:
-        runner.run(serve(config))
+        try:
+            runner.run(serve(config))
+        except (InvalidArgumentError, OSError) as e:  # the engine refused a setting; a port is taken
+            print(f"kvroute sim: {e}", file=sys.stderr)
+            return 2
     return 0

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvroute._native import SIM_PRESETS
 from kvroute.sim.faults import FaultSpec
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
@@ -181,6 +182,7 @@ def _validate(c: SimConfig) -> None:
     _check(c.buffer_steps >= 1, f"buffer_steps: must be >= 1, got {c.buffer_steps}")
     _check(c.hwm >= 0, "hwm: must be >= 0")
     _check(c.max_body_bytes >= 1024, "max_body_bytes: must be >= 1024")
+    _check(e.preset in SIM_PRESETS, f"preset: unknown {e.preset!r} (known: {', '.join(SIM_PRESETS)})")
     _check(
         e.hash_algo in HASH_ALGOS, f"hash_algo: must be one of {', '.join(HASH_ALGOS)}, got {e.hash_algo!r}"
     )

@@ -2,9 +2,11 @@
 
 One asyncio task per replica calls ``SimEngine.step(now)`` whenever the engine has work. A step's
 results become visible when the step would have finished on the modelled hardware: the loop
-sleeps ``duration_s / time_scale`` (measured from the previous deadline, so Python overhead does
-not accumulate as drift), then publishes the step's KV-event batch and hands each request its new
-tokens through an :class:`asyncio.Queue`. Every engine call is synchronous and short, so the
+sleeps ``duration_s / time_scale``, then publishes the step's KV-event batch and hands each
+request its new tokens through an :class:`asyncio.Queue`. Step k+1 starts at step k's deadline,
+not when Python got round to it, so serving overhead does not stretch modelled time; a loop more
+than :data:`MAX_CATCH_UP_S` behind stops catching up, and the lag shows in the
+``kvroute_sim:late_step_seconds_total`` metric. Every engine call is synchronous and short, so the
 engine is only ever touched from the event loop: no locks.
 
 Faults act here: a stall pauses stepping, a crash or restart ends every request in flight (their
@@ -39,6 +41,10 @@ class Output:
     finish_reason: str | None
     num_cached_tokens: int
     prompt_tokens: int
+
+
+MAX_CATCH_UP_S = 0.05
+"""How far behind its modelled schedule the step loop may run back-to-back steps to catch up."""
 
 
 class Crashed:
@@ -80,7 +86,6 @@ class EngineLoop:
         self.stats = stats
         self.time_scale = time_scale
         self.legacy_events = legacy_events
-        self.steps = 0
         self._requests: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -198,10 +203,14 @@ class EngineLoop:
                 continue
             epoch = self._epoch
             result = self.engine.step(time.time())
-            self.steps += 1
-            deadline = max(deadline, now) + result.duration_s / self.time_scale
+            modelled = result.duration_s / self.time_scale
+            deadline = max(deadline, now - MAX_CATCH_UP_S) + modelled
             # sleep(0) still yields, so HTTP handlers run between back-to-back short steps.
             await asyncio.sleep(max(0.0, deadline - loop.time()))
+            # Lateness stays near zero while this process keeps up with the modelled step times.
+            self.stats.steps += 1
+            self.stats.modelled_step_s += modelled
+            self.stats.late_step_s += max(0.0, loop.time() - deadline)
             if epoch != self._epoch:
                 continue  # crashed or restarted while this step "ran"
             await self._publish(result)

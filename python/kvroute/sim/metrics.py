@@ -49,6 +49,9 @@ class ReplicaStats:
         """Chat requests served from ``kv_transfer_params.prompt_token_ids``."""
         self.crashed_requests = 0
         self.restarts = 0
+        self.steps = 0
+        self.modelled_step_s = 0.0
+        self.late_step_s = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
 
 
@@ -146,4 +149,15 @@ def render(
         stats.crashed_requests,
     )
     w.counter("kvroute_sim:restarts", "Engine restarts (injected).", stats.restarts)
+    w.counter("kvroute_sim:engine_steps", "Engine steps taken.", stats.steps)
+    w.counter(
+        "kvroute_sim:modelled_step_seconds",
+        "Wall time the steps should take (modelled duration / time scale).",
+        stats.modelled_step_s,
+    )
+    w.counter(
+        "kvroute_sim:late_step_seconds",
+        "Wall time by which step results came after their modelled deadline (process overload).",
+        stats.late_step_s,
+    )
     return "\n".join(w.lines) + "\n"
