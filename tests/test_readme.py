@@ -36,15 +36,15 @@ def test_readme_quick_start() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--sim", "4", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert f"OpenAI API at http://127.0.0.1:{port}/v1" in line, line
-        code = client.replace(QUICK_START_URL, f"http://127.0.0.1:{port}/v1")
-        exec(compile(code, str(README), "exec"), {})
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert f"OpenAI API at http://127.0.0.1:{port}/v1" in line, line
+            code = client.replace(QUICK_START_URL, f"http://127.0.0.1:{port}/v1")
+            exec(compile(code, str(README), "exec"), {})
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
