@@ -63,3 +63,28 @@ async def test_limiter_queue_timeout_and_unlimited() -> None:
     for _ in range(100):
         await free.acquire()
     assert free.active == 100
+
+
+def test_json_logs_carry_the_decision(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import logging
+
+    from kvroute import logs
+
+    logs.configure("debug", "json")
+    try:
+        logging.getLogger("kvroute.proxy").debug(
+            "route %s", "r1", extra={"decision": {"backend": "b", "score": 0.5}}
+        )
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        record = json.loads(line)
+        assert (record["level"], record["logger"], record["message"]) == (
+            "debug",
+            "kvroute.proxy",
+            "route r1",
+        )
+        assert record["decision"] == {"backend": "b", "score": 0.5}
+    finally:
+        logging.getLogger("kvroute").handlers.clear()
+        logging.getLogger("kvroute").propagate = True
+        logging.getLogger("kvroute").setLevel(logging.NOTSET)
