@@ -200,6 +200,7 @@ class FakeBackend:
     die_after: int | None = None
     healthy: bool = True
     model: str = "kvroute-sim"
+    loras: tuple[str, ...] = ()
     received: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
     url: str = ""
     closed: bool = False
@@ -233,7 +234,9 @@ class FakeBackend:
         return Response(status_code=200 if self.healthy else 503)
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model, "max_model_len": 4096}]})
+        data = [{"id": self.model, "max_model_len": 4096, "parent": None}]
+        data += [{"id": name, "max_model_len": 4096, "parent": self.model} for name in self.loras]
+        return JSONResponse({"object": "list", "data": data})
 
     async def _inference(self, request: Request) -> Response:
         body = await request.body()

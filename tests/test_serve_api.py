@@ -142,6 +142,29 @@ def test_data_parallel_ranks_are_pinned_by_header() -> None:
         r.wait_idle()
 
 
+def test_lora_requests_are_hashed_with_the_adapter_name() -> None:
+    with RouterThread(router_config(model="base")) as r:
+        fake = r.add_fake(model="base", loras=("my-adapter",))
+        r.admin(
+            "POST", "/admin/backends", json={"url": fake.url, "name": "fake", "events": "none"}
+        ).raise_for_status()
+        wait_until(lambda: r.status()["backends"][0]["loras"] == ["my-adapter"])
+        messages = [{"role": "user", "content": "adapter prompt " * 40}]
+        resp = httpx.post(
+            r.base_url + "/chat/completions", json={"model": "my-adapter", "messages": messages}
+        )
+        assert resp.status_code == 200, resp.text
+        tokens = r.prompt_tokens(messages)
+        index = r.router.state.fleet.index
+        # The routed prefix is speculated under the adapter's hash chain, not the base model's.
+        assert r.call(lambda: index.match_tokens(tokens, lora="my-adapter"))
+        assert not r.call(lambda: index.match_tokens(tokens))
+        other = httpx.post(
+            r.base_url + "/chat/completions", json={"model": "other-adapter", "messages": messages}
+        )
+        assert other.status_code == 404
+
+
 def test_metrics_and_status(router: RouterThread, client: openai.OpenAI) -> None:
     for _ in range(3):
         client.chat.completions.create(

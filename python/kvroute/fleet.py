@@ -44,6 +44,7 @@ class Backend:
     healthy: bool = True
     last_error: str | None = None
     models: tuple[str, ...] = ()
+    loras: tuple[str, ...] = ()
     max_model_len: int | None = None
     monitor: HealthMonitor | None = None
     subscribers: list[EventSubscriber] = field(default_factory=list)
@@ -205,6 +206,10 @@ class Fleet:
         lens = [b.max_model_len for b in self.backends.values() if b.max_model_len]
         return min(lens) if lens else None
 
+    def is_lora(self, model: str | None) -> bool:
+        """Whether a backend serves ``model`` as a LoRA adapter (per its ``/v1/models``)."""
+        return model is not None and any(model in b.loras for b in self.backends.values())
+
     def served_models(self) -> tuple[str, ...]:
         if self.config.served_model is not None:
             return (self.config.served_model,)
@@ -255,6 +260,7 @@ class Fleet:
                     "events_endpoint": b.spec.events,
                     "replay_endpoint": b.spec.replay,
                     "models": list(b.models),
+                    "loras": list(b.loras),
                     "max_model_len": b.max_model_len,
                     "engines": engines,
                 }

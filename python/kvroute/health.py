@@ -9,7 +9,8 @@
   label is the data-parallel rank) correct the scheduler's own ledger (``set_metrics``);
   ``vllm:cache_config_info``'s ``num_gpu_blocks`` / ``num_cpu_blocks`` labels give each engine's
   capacity.
-* ``GET /v1/models`` until it answers: the served model names and ``max_model_len``.
+* ``GET /v1/models`` until it answers: the served model names, which of them are LoRA adapters
+  (an entry with a ``parent``), and ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -183,9 +184,12 @@ class HealthMonitor:
             return
         if not isinstance(data, list):
             return
-        models = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
-        lens = [m.get("max_model_len") for m in data if isinstance(m, dict)]
-        self.backend.models = models
+        entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        self.backend.models = tuple(m["id"] for m in entries)
+        # vLLM lists each LoRA adapter as a model whose parent is the base model; its KV blocks
+        # are keyed by the adapter name, so requests for it are hashed with that name.
+        self.backend.loras = tuple(m["id"] for m in entries if m.get("parent") not in (None, m["id"]))
+        lens = [m.get("max_model_len") for m in entries]
         known = [x for x in lens if isinstance(x, int) and x > 0]
         if known:
             self.backend.max_model_len = min(known)

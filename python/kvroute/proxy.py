@@ -69,6 +69,7 @@ class Job:
     prompt: Prompt
     expected_output_tokens: int
     salt: str | None
+    lora: str | None
     request_id: str
     headers: dict[str, str]
     arrived: float = field(default_factory=time.perf_counter)
@@ -177,6 +178,7 @@ class ProxyCall:
                 d = sched.select_and_reserve(
                     job.prompt.tokens,
                     expected_output_tokens=job.expected_output_tokens,
+                    lora=job.lora,
                     salt=job.salt,
                     exclude=excluded,
                 )

@@ -106,7 +106,8 @@ class InferenceEndpoint:
         body = decode_json(raw)
         parsed = parse_chat(body) if self.kind == "chat" else parse_completion(body)
         served = s.fleet.served_models()
-        if parsed.model is not None and served and parsed.model not in served:
+        lora = parsed.model if s.fleet.is_lora(parsed.model) else None
+        if parsed.model is not None and served and parsed.model not in served and lora is None:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
         prompt = await self._prompt(parsed)
         s.metrics.tokenize.observe(prompt.tokenize_s)
@@ -126,6 +127,7 @@ class InferenceEndpoint:
             prompt=prompt,
             expected_output_tokens=expected,
             salt=parsed.salt,
+            lora=lora,
             request_id=rid,
             headers=headers,
             arrived=arrived,
