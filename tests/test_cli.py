@@ -1,4 +1,4 @@
-"""The `kvroute` command: only what exists (`--version`, `info`)."""
+"""The `kvroute` command: `--version`, `info`, and how `serve` handles its flags."""
 
 from __future__ import annotations
 
@@ -33,8 +33,39 @@ def test_no_command_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -
 
 def test_unknown_command_is_rejected() -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve"])
+        main(["frobnicate"])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve"], "no backends: give --backends"),
+        (["serve", "--sim", "2", "--port", "http"], "--port: expected an integer"),
+        (["serve", "--backends", "ftp://x"], "url must be http"),
+        (["serve", "--sim", "1", "--policy", "fastest"], "policy: unknown 'fastest'"),
+        (["serve", "--sim", "1", "--policy-param", "x=1"], "unknown knob 'x'"),
+    ],
+)
+def test_serve_rejects_bad_settings(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute serve: ")
+    assert message in err
+
+
+def test_serve_env_and_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVROUTE_SIM", "0")
+    monkeypatch.setenv("KVROUTE_BACKENDS", "http://h:8000;events=nope")
+    assert main(["serve"]) == 2
+    assert "bad events 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--backends" in out
+    assert "KVROUTE_" in out
 
 
 def test_module_entry_point() -> None:

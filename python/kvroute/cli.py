@@ -1,4 +1,4 @@
-"""The ``kvroute`` command: ``--version``, ``info`` and ``sim`` (simulated vLLM replicas)."""
+"""The ``kvroute`` command: ``--version``, ``info``, ``serve`` (the router) and ``sim``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import DEFAULT_BLOCK_SIZE, MAX_WORKERS, PrefixIndex, __version__
+from kvroute.server import cli as serve_cli
 from kvroute.sim import cli as sim_cli
 
 
@@ -24,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print the version and the index's limits and memory baseline")
+    serve_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     return p
 
@@ -33,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "serve":
+        return serve_cli.run(args)
     if args.command == "sim":
         return sim_cli.run(args)
     parser.print_help(sys.stderr)
