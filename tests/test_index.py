@@ -238,3 +238,29 @@ def test_concurrent_use_from_threads() -> None:
             done.result()  # re-raises a worker thread's failure
     index.check_invariants()
     assert sorted(index.workers()) == list(range(8))
+
+
+def test_tier_entries_split_gpu_cpu_and_speculative() -> None:
+    index = PrefixIndex()
+    tokens = list(range(64))
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13, 14],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 16,
+        "medium": "GPU",
+    }
+    index.apply(1, msgpack.packb([0.0, [stored], 0]), now_ns=0)
+    placeholder = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "token_ids": [],
+        "block_size": 0,
+        "medium": "CPU",
+    }
+    index.apply(1, msgpack.packb([0.0, [placeholder], 0]), now_ns=0)
+    index.speculate(2, block_hashes(tokens[:48]), ttl_s=1.0, now_ns=0)
+    assert dict(index.tier_entries(now_ns=0)) == {1: (4, 2, 0), 2: (0, 0, 3)}
+    assert dict(index.tier_entries(now_ns=2_000_000_000)) == {1: (4, 2, 0), 2: (0, 0, 0)}
+    assert index.find_matches(block_hashes(tokens), now_ns=0) == {1: (4, 0), 2: (3, 0)}

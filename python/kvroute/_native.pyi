@@ -176,6 +176,10 @@ class PrefixIndex:
     def expire(self, now_ns: int | None = None) -> None:
         """Frees speculative entries past their deadline (matching already ignores them)."""
 
+    def tier_entries(self, now_ns: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:
+        """Per registered worker, its resident blocks by tier: ``(gpu, cpu, speculative)`` (a block
+        may be in both tiers; speculative = routed there, not confirmed, not expired)."""
+
     def stats(self) -> IndexStats: ...
     def check_invariants(self) -> None:
         """Verifies the tree's structure (O(size)); raises :class:`KvrouteError` if broken."""

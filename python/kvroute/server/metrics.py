@@ -46,6 +46,12 @@ class _FleetCollector(Collector):
                 ("decoding_requests", "Requests decoding on the engine (ledger)"),
                 ("healthy", "1 when the engine can be selected"),
                 ("index_entries", "Index entries (blocks, any tier, speculative included) of the engine"),
+                ("index_gpu_blocks", "Blocks the index places in the engine's GPU memory"),
+                ("index_cpu_blocks", "Blocks the index places in the engine's CPU offload tier"),
+                (
+                    "index_speculative_blocks",
+                    "Blocks routed to the engine and not yet confirmed by its events",
+                ),
                 (
                     "kv_event_lag_seconds",
                     "Time from the engine stamping its last KV-event batch to its arrival",
@@ -69,9 +75,14 @@ class _FleetCollector(Collector):
                 ("restarts", "Sequence restarts detected"),
             )
         }
+        tiers = dict(f.index.tier_entries())
         for b in f.backends.values():
             for e in b.engines:
                 lv = [b.name, str(e.rank)]
+                gpu, cpu, spec = tiers.get(e.worker, (0, 0, 0))
+                g["index_gpu_blocks"].add_metric(lv, gpu)
+                g["index_cpu_blocks"].add_metric(lv, cpu)
+                g["index_speculative_blocks"].add_metric(lv, spec)
                 load = loads.get(e.worker)
                 if load is not None:
                     g["active_requests"].add_metric(lv, load["active"])
@@ -108,11 +119,15 @@ class _FleetCollector(Collector):
             ("entries", "Resident (block, engine) entries, any tier"),
             ("blocks", "Distinct blocks in the index"),
             ("memory_bytes", "Heap bytes held by the index"),
-            ("speculative_blocks", "Speculative (routed, not yet confirmed) entries"),
         ):
             gm = GaugeMetricFamily(f"kvroute_index_{key}", doc)
             gm.add_metric([], float(stats[key]))  # type: ignore[literal-required]
             yield gm
+        speculated = CounterMetricFamily(
+            "kvroute_index_speculated_blocks", "Blocks recorded speculatively at routing time"
+        )
+        speculated.add_metric([], stats["speculative_blocks"])
+        yield speculated
         res = GaugeMetricFamily("kvroute_reservations", "Reservations in the ledger")
         res.add_metric([], f.scheduler.reservations())
         yield res

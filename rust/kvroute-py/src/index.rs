@@ -17,6 +17,9 @@ use crate::buffers;
 use crate::errors::{invalid_argument, map_err, new_err, Kind};
 use crate::hashing::{check_block_size, hash_tokens};
 
+/// A worker's resident blocks by tier: (gpu, cpu, speculative).
+type Tiers = (u64, u64, u64);
+
 /// Payloads larger than this are decoded and applied with the GIL released.
 const DETACH_PAYLOAD_BYTES: usize = 16 << 10;
 /// Hash lists longer than this are matched with the GIL released.
@@ -202,6 +205,20 @@ impl PyPrefixIndex {
         let now = now(py, now_ns)?;
         self.with(py, false, |i| i.expire(now));
         Ok(())
+    }
+
+    /// Per worker, its resident blocks by tier: `(gpu, cpu, speculative)`.
+    #[pyo3(signature = (now_ns = None))]
+    fn tier_entries(
+        &self,
+        py: Python<'_>,
+        now_ns: Option<Nanos>,
+    ) -> PyResult<Vec<(WorkerId, Tiers)>> {
+        let now = now(py, now_ns)?;
+        let t = self.with(py, false, |i| i.tier_entries(now));
+        Ok(t.into_iter()
+            .map(|(w, t)| (w, (t.gpu, t.cpu, t.speculative)))
+            .collect())
     }
 
     /// Sizes, memory and every ingestion counter, as a flat dict.

@@ -51,6 +51,15 @@ pub struct WorkerMatch {
     pub cpu: u32,
 }
 
+/// One worker's resident blocks by tier. A block can be in both tiers; speculative counts blocks
+/// routed there and not (yet) confirmed on GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierEntries {
+    pub gpu: u64,
+    pub cpu: u64,
+    pub speculative: u64,
+}
+
 /// Event-ingestion and maintenance counters (monotonic).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IndexCounters {
@@ -562,6 +571,29 @@ impl PrefixIndex {
                 }
             }
         }
+    }
+
+    /// Every registered worker's resident blocks by tier (one pass over the tree's runs).
+    pub fn tier_entries(&self, now: Nanos) -> Vec<(WorkerId, TierEntries)> {
+        let mut per = vec![TierEntries::default(); self.worker_of.len()];
+        for n in self.tree.nodes.iter().skip(1).filter(|n| n.live) {
+            let len = n.len() as u64;
+            for r in &n.res {
+                let t = &mut per[r.slot as usize];
+                t.gpu += if r.gpu > 0 { len } else { 0 };
+                t.cpu += if r.cpu > 0 { len } else { 0 };
+                t.speculative += if r.gpu == 0 && r.spec_until > now {
+                    len
+                } else {
+                    0
+                };
+            }
+        }
+        self.worker_of
+            .iter()
+            .zip(per)
+            .filter_map(|(w, t)| w.map(|w| (w, t)))
+            .collect()
     }
 
     pub fn counters(&self) -> &IndexCounters {
