@@ -215,6 +215,9 @@ _FIELDS: tuple[Field, ...] = (
     Field("api_keys", _to_str_tuple, "accepted client API key (repeatable; none = open)", "KEY", "append"),
     Field("admin_key", _optional(_to_str), "API key of the /admin routes (unset = admin disabled)"),
     Field("backend_api_key", _optional(_to_str), "Bearer token sent to the backends"),
+    Field("token_handoff", _to_str, "hand token ids to engines running kvroute.vllm: auto, on or off"),
+    Field("handoff_hwm", _to_int, "token-handoff messages queued per engine before sends are skipped"),
+    Field("handoff_min_tokens", _to_int, "prompts shorter than this are not handed off"),
     Field("recent_decisions", _to_int, "routing decisions kept for the status page"),
     Field("log_level", _to_str, "critical, error, warning, info or debug (score breakdowns)"),
     Field("log_format", _to_str, "text or json (one object per line)"),
@@ -271,6 +274,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     backend_api_key: str | None = None
+    token_handoff: str = "auto"
+    handoff_hwm: int = 1000
+    handoff_min_tokens: int = 0
     recent_decisions: int = 100
     log_level: str = "info"
     log_format: str = "text"
@@ -460,6 +466,12 @@ def _validate(c: RouterConfig) -> None:
     _check(0 <= c.max_retries <= 16, f"max_retries: must be in 0..16, got {c.max_retries}")
     _check(c.unhealthy_after >= 1, "unhealthy_after: must be >= 1")
     _check(c.recent_decisions >= 0, "recent_decisions: must be >= 0")
+    _check(
+        c.token_handoff in ("auto", "on", "off"),
+        f"token_handoff: must be auto, on or off, got {c.token_handoff!r}",
+    )
+    _check(c.handoff_hwm >= 1, f"handoff_hwm: must be >= 1, got {c.handoff_hwm}")
+    _check(c.handoff_min_tokens >= 0, f"handoff_min_tokens: must be >= 0, got {c.handoff_min_tokens}")
     for name in (
         "reservation_ttl_s",
         "queue_timeout_s",

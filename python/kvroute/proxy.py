@@ -73,6 +73,9 @@ class Job:
     request_id: str
     headers: dict[str, str]
     arrived: float = field(default_factory=time.perf_counter)
+    handoff: bool = False
+    """The prompt's ids may be handed to the engine (:mod:`kvroute.handoff`): exact, one prompt,
+    and not already token ids."""
 
 
 @dataclass(slots=True)
@@ -265,9 +268,10 @@ class ProxyCall:
             try:
                 limit = p.config.first_byte_timeout_s if job.stream else None
                 async with asyncio.timeout(limit):
-                    resp = await p.session.post(
-                        backend.url + job.route, data=job.body, headers=self._headers(backend, engine)
-                    )
+                    upstream = self._headers(backend, engine)
+                    if p.fleet.handoff.active:
+                        p.fleet.handoff.offer(backend.name, job.prompt.tokens, job.handoff, upstream)
+                    resp = await p.session.post(backend.url + job.route, data=job.body, headers=upstream)
                     if resp.status >= 500:
                         body = await resp.read()
                         finished = True

@@ -113,6 +113,15 @@ class _FleetCollector(Collector):
             gm = GaugeMetricFamily(f"kvroute_index_{key}", doc)
             gm.add_metric([], float(stats[key]))  # type: ignore[literal-required]
             yield gm
+        handoff = CounterMetricFamily(
+            "kvroute_token_handoff",
+            "Requests by token-handoff result: sent, would_block (channel full or not connected), "
+            "no_channel (the engine announced none), skipped (prompt not eligible)",
+            labels=["backend", "result"],
+        )
+        for (backend, result), n in sorted(f.handoff.counts.items()):
+            handoff.add_metric([backend, result], n)
+        yield handoff
         res = GaugeMetricFamily("kvroute_reservations", "Reservations in the ledger")
         res.add_metric([], f.scheduler.reservations())
         yield res
