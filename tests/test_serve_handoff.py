@@ -100,7 +100,7 @@ def test_receiver_down_falls_back() -> None:
 
 @pytest.fixture
 def cluster() -> Any:
-    config = sim_config(replicas=1, handoff_wait_s=0.05, handoff_ttl_s=0.3, handoff_max_entries=2)
+    config = sim_config(replicas=1, handoff_wait_s=0.05, handoff_ttl_s=30.0)
     with ClusterThread(config) as c:
         yield c
 
@@ -180,7 +180,12 @@ def test_wrong_length_payloads_fall_back(cluster: ClusterThread, payload: bytes,
         e.close()
 
 
-def test_stale_keys_fall_back(cluster: ClusterThread) -> None:
+def test_stale_keys_fall_back() -> None:
+    with ClusterThread(sim_config(replicas=1, handoff_ttl_s=0.3)) as cluster:
+        stale_key(cluster)
+
+
+def stale_key(cluster: ClusterThread) -> None:
     e = Engine(cluster.urls[0])
     try:
         e.send("old", ids(12))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import zmq.asyncio
@@ -22,6 +23,9 @@ from kvroute.config import BackendSpec, RouterConfig
 from kvroute.events import EventStats, EventSubscriber
 from kvroute.handoff import TokenHandoff
 from kvroute.health import EngineMetrics, HealthMonitor
+
+if TYPE_CHECKING:
+    from kvroute.peers import PeerFanout
 
 log = logging.getLogger("kvroute.fleet")
 
@@ -76,6 +80,9 @@ class Fleet:
             self.index,
             c.policy,
             block_size=c.block_size,
+            # Random per process: a restarted router is a new origin to its peers, so its old
+            # reservations (which its peers drop when it falls silent) never shadow new ones.
+            router_id=secrets.randbits(63) | 1,
             reservation_ttl_s=c.reservation_ttl_s,
             speculative_ttl_s=c.speculative_ttl_s,
             max_inflight_per_worker=c.max_inflight_per_worker,
@@ -87,6 +94,8 @@ class Fleet:
         self._next_worker = 0
         self._zmq = zmq.asyncio.Context()
         self.handoff = TokenHandoff(config)
+        self.peers: PeerFanout | None = None
+        """Peer fan-out, when configured (started by the server once it knows its name)."""
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), trust_env=False)
         self._lock = asyncio.Lock()
 
@@ -159,6 +168,8 @@ class Fleet:
             await sub.stop()
 
     async def aclose(self) -> None:
+        if self.peers is not None:
+            await self.peers.aclose()
         for backend in list(self.backends.values()):
             await self._stop(backend)
         await self._client.aclose()
