@@ -191,13 +191,15 @@ def completion_body(model: str = "fake", text: str = "hello") -> dict[str, Any]:
 @dataclass
 class FakeBackend:
     """A scriptable vLLM stand-in: ``status`` (answer code), ``delay_s`` (before answering),
-    ``chunks`` (SSE events streamed), ``die_after`` (cut the stream after this many events).
+    ``chunks`` (SSE events streamed, ``chunk_delay_s`` apart), ``die_after`` (cut the stream after
+    this many events).
     Records each inference request's headers and raw body."""
 
     status: int = 200
     delay_s: float = 0.0
     chunks: int = 3
     die_after: int | None = None
+    chunk_delay_s: float = 0.01
     healthy: bool = True
     model: str = "kvroute-sim"
     loras: tuple[str, ...] = ()
@@ -253,7 +255,7 @@ class FakeBackend:
                     raise ConnectionError("fake backend dies mid-stream")
                 delta = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
                 yield b"data: " + json.dumps(delta).encode() + b"\n\n"
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(self.chunk_delay_s)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -66,6 +66,58 @@ class BackendSpec:
         return _shift_port(self.replay, rank)
 
 
+@dataclass(frozen=True, slots=True)
+class PeerSpec:
+    """Another router replica: where its fan-out socket listens, and its CURVE public key."""
+
+    endpoint: str
+    key: str | None = None
+
+
+Z85_KEY_CHARS = 40
+
+
+def _is_z85_key(key: str) -> bool:
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+    return len(key) == Z85_KEY_CHARS and all(ch in alphabet for ch in key)
+
+
+def _check_endpoint(endpoint: str, what: str) -> None:
+    ok = endpoint.startswith(("tcp://", "ipc://", "inproc://"))
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[6:].rpartition(":")
+        ok = bool(sep and host) and (port == "*" or (port.isdigit() and 0 < int(port) < 65536))
+    if not ok:
+        raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {endpoint!r}")
+
+
+def parse_peer(entry: str) -> PeerSpec:
+    """``tcp://HOST:PORT[;key=Z85_PUBLIC_KEY]`` (the key: the peer's CURVE public key)."""
+    head, *opts = entry.strip().split(";")
+    endpoint = head.strip()
+    _check_endpoint(endpoint, f"peer {entry!r}")
+    key = None
+    for opt in opts:
+        k, sep, v = opt.partition("=")
+        if not sep or k.strip() != "key":
+            raise ConfigError(f"peer {entry!r}: expected ;key=CURVE_PUBLIC_KEY, got {opt!r}")
+        key = v.strip()
+        if not _is_z85_key(key):
+            raise ConfigError(f"peer {entry!r}: a CURVE key is 40 Z85 characters")
+    return PeerSpec(endpoint, key)
+
+
+def read_peers_file(path: str | Path) -> tuple[PeerSpec, ...]:
+    """Peers listed in a file, one ``tcp://HOST:PORT[;key=...]`` a line; blank lines and lines
+    starting with ``#`` are skipped (``#`` can occur in a Z85 key, so there are no end comments)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"peers_file {path}: {e.strerror or e}") from None
+    lines = (line.strip() for line in text.splitlines())
+    return tuple(parse_peer(line) for line in lines if line and not line.startswith("#"))
+
+
 def _shift_port(endpoint: str | None, offset: int) -> str | None:
     if endpoint is None or offset == 0:
         return endpoint
@@ -215,6 +267,27 @@ _FIELDS: tuple[Field, ...] = (
     Field("api_keys", _to_str_tuple, "accepted client API key (repeatable; none = open)", "KEY", "append"),
     Field("admin_key", _optional(_to_str), "API key of the /admin routes (unset = admin disabled)"),
     Field("backend_api_key", _optional(_to_str), "Bearer token sent to the backends"),
+    Field(
+        "router_name", _optional(_to_str), "this router's name in peer messages and logs (default host:port)"
+    ),
+    Field("peers", _to_str_tuple, "peer routers' fan-out endpoints, tcp://HOST:PORT[;key=CURVE_PUBLIC_KEY]"),
+    Field(
+        "peers_file", _optional(_to_str), "file listing peer endpoints, one a line (re-read when it changes)"
+    ),
+    Field(
+        "peer_bind", _optional(_to_str), "where to receive peers' fan-out (tcp://HOST:PORT; unset = no bind)"
+    ),
+    Field("peer_secret", _optional(_to_str), "shared secret authenticating peer batches (HMAC-SHA256)"),
+    Field(
+        "peer_curve_secret_key", _optional(_to_str), "this router's ZMQ CURVE secret key (Z85): encrypt peers"
+    ),
+    Field("peer_snapshot_interval_s", _to_float, "seconds between full ledger snapshots sent to peers"),
+    Field("peer_timeout_s", _to_float, "a peer silent this long has its reservations dropped"),
+    Field("peer_hwm", _to_int, "batches queued per peer before its backlog is dropped"),
+    Field("peer_max_skew_s", _to_float, "with a secret: batches stamped further from now are refused"),
+    Field("token_handoff", _to_str, "hand token ids to engines running kvroute.vllm: auto, on or off"),
+    Field("handoff_hwm", _to_int, "token-handoff messages queued per engine before sends are skipped"),
+    Field("handoff_min_tokens", _to_int, "prompts shorter than this are not handed off"),
     Field("recent_decisions", _to_int, "routing decisions kept for the status page"),
     Field("log_level", _to_str, "critical, error, warning, info or debug (score breakdowns)"),
     Field("log_format", _to_str, "text or json (one object per line)"),
@@ -271,17 +344,39 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     backend_api_key: str | None = None
+    router_name: str | None = None
+    peers: tuple[str, ...] = ()
+    peers_file: str | None = None
+    peer_bind: str | None = None
+    peer_secret: str | None = field(default=None, repr=False)
+    peer_curve_secret_key: str | None = field(default=None, repr=False)
+    peer_snapshot_interval_s: float = 1.0
+    peer_timeout_s: float = 10.0
+    peer_hwm: int = 1000
+    peer_max_skew_s: float = 30.0
+    token_handoff: str = "auto"
+    handoff_hwm: int = 1000
+    handoff_min_tokens: int = 0
     recent_decisions: int = 100
     log_level: str = "info"
     log_format: str = "text"
     backend_specs: tuple[BackendSpec, ...] = field(default=(), repr=False)
     """The backends, resolved (filled in by ``__post_init__``)."""
+    peer_specs: tuple[PeerSpec, ...] = field(default=(), repr=False)
+    """``peers``, parsed (filled in by ``__post_init__``)."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        object.__setattr__(self, "peer_specs", tuple(parse_peer(p) for p in self.peers))
+        _validate_peers(self)
         object.__setattr__(self, "backend_specs", resolve_backends(self, self.backends))
         names = [b.name for b in self.backend_specs]
         _check(len(set(names)) == len(names), f"backends: names must be unique, got {names}")
+
+    @property
+    def fanout(self) -> bool:
+        """Whether this router takes part in peer fan-out."""
+        return bool(self.peers or self.peers_file or self.peer_bind)
 
     @property
     def served_model(self) -> str | None:
@@ -425,6 +520,31 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_peers(c: RouterConfig) -> None:
+    if c.peer_bind is not None:
+        _check_endpoint(c.peer_bind, "peer_bind")
+    if c.peers_file is not None:
+        read_peers_file(c.peers_file)  # readable and well-formed now; re-read while running
+    _check(c.router_name is None or bool(c.router_name.strip()), "router_name: must not be empty")
+    _check(c.peer_secret is None or len(c.peer_secret) >= 16, "peer_secret: use at least 16 characters")
+    key = c.peer_curve_secret_key
+    if key is not None:
+        _check(_is_z85_key(key), "peer_curve_secret_key: a CURVE key is 40 Z85 characters")
+        for p in c.peer_specs:
+            _check(p.key is not None, f"peers: {p.endpoint} needs ;key=PUBLIC_KEY with CURVE on")
+    else:
+        for p in c.peer_specs:
+            _check(p.key is None, f"peers: {p.endpoint} has a key but peer_curve_secret_key is unset")
+    for name in ("peer_snapshot_interval_s", "peer_timeout_s", "peer_max_skew_s"):
+        v = getattr(c, name)
+        _check(math.isfinite(v) and v > 0, f"{name}: must be > 0, got {v}")
+    _check(
+        c.peer_timeout_s > c.peer_snapshot_interval_s,
+        "peer_timeout_s: must be longer than peer_snapshot_interval_s (snapshots are the heartbeat)",
+    )
+    _check(c.peer_hwm >= 1, f"peer_hwm: must be >= 1, got {c.peer_hwm}")
+
+
 def _validate(c: RouterConfig) -> None:
     _check(bool(c.host.strip()), "host: must not be empty")
     _check(0 <= c.port <= 65535, f"port: must be in 0..65535, got {c.port}")
@@ -460,6 +580,12 @@ def _validate(c: RouterConfig) -> None:
     _check(0 <= c.max_retries <= 16, f"max_retries: must be in 0..16, got {c.max_retries}")
     _check(c.unhealthy_after >= 1, "unhealthy_after: must be >= 1")
     _check(c.recent_decisions >= 0, "recent_decisions: must be >= 0")
+    _check(
+        c.token_handoff in ("auto", "on", "off"),
+        f"token_handoff: must be auto, on or off, got {c.token_handoff!r}",
+    )
+    _check(c.handoff_hwm >= 1, f"handoff_hwm: must be >= 1, got {c.handoff_hwm}")
+    _check(c.handoff_min_tokens >= 0, f"handoff_min_tokens: must be >= 0, got {c.handoff_min_tokens}")
     for name in (
         "reservation_ttl_s",
         "queue_timeout_s",

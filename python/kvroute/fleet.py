@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import zmq.asyncio
@@ -20,7 +21,11 @@ import zmq.asyncio
 from kvroute._native import PrefixIndex, Scheduler, UnknownWorkerError
 from kvroute.config import BackendSpec, RouterConfig
 from kvroute.events import EventStats, EventSubscriber
+from kvroute.handoff import TokenHandoff
 from kvroute.health import EngineMetrics, HealthMonitor
+
+if TYPE_CHECKING:
+    from kvroute.peers import PeerFanout
 
 log = logging.getLogger("kvroute.fleet")
 
@@ -48,6 +53,8 @@ class Backend:
     max_model_len: int | None = None
     monitor: HealthMonitor | None = None
     subscribers: list[EventSubscriber] = field(default_factory=list)
+    handoff_checked: bool = False
+    """``GET /kvroute/handoff`` has answered since the backend was last healthy."""
 
     @property
     def name(self) -> str:
@@ -73,6 +80,9 @@ class Fleet:
             self.index,
             c.policy,
             block_size=c.block_size,
+            # Random per process: a restarted router is a new origin to its peers, so its old
+            # reservations (which its peers drop when it falls silent) never shadow new ones.
+            router_id=secrets.randbits(63) | 1,
             reservation_ttl_s=c.reservation_ttl_s,
             speculative_ttl_s=c.speculative_ttl_s,
             max_inflight_per_worker=c.max_inflight_per_worker,
@@ -83,6 +93,9 @@ class Fleet:
         self.by_worker: dict[int, tuple[Backend, Engine]] = {}
         self._next_worker = 0
         self._zmq = zmq.asyncio.Context()
+        self.handoff = TokenHandoff(config)
+        self.peers: PeerFanout | None = None
+        """Peer fan-out, when configured (started by the server once it knows its name)."""
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), trust_env=False)
         self._lock = asyncio.Lock()
 
@@ -139,6 +152,7 @@ class Fleet:
             if backend is None:
                 raise FleetError(f"no backend named {name!r}")
             await self._stop(backend)
+            self.handoff.drop_channel(name)
             dropped = 0
             for e in backend.engines:
                 self.by_worker.pop(e.worker, None)
@@ -154,15 +168,19 @@ class Fleet:
             await sub.stop()
 
     async def aclose(self) -> None:
+        if self.peers is not None:
+            await self.peers.aclose()
         for backend in list(self.backends.values()):
             await self._stop(backend)
         await self._client.aclose()
+        self.handoff.close()
         self._zmq.term()
 
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         if healthy and not backend.healthy:
             for sub in backend.subscribers:
                 sub.request_resync()
+            backend.handoff_checked = False  # a restarted engine may have a new token channel
         backend.healthy = healthy
         for e in backend.engines:
             if e.worker in self.by_worker:
@@ -259,6 +277,7 @@ class Fleet:
                     "last_error": b.last_error,
                     "events_endpoint": b.spec.events,
                     "replay_endpoint": b.spec.replay,
+                    "token_handoff": self.handoff.endpoint(b.name),
                     "models": list(b.models),
                     "loras": list(b.loras),
                     "max_model_len": b.max_model_len,

@@ -9,6 +9,8 @@
   label is the data-parallel rank) correct the scheduler's own ledger (``set_metrics``);
   ``vllm:cache_config_info``'s ``num_gpu_blocks`` / ``num_cpu_blocks`` labels give each engine's
   capacity.
+* ``GET /kvroute/handoff`` (with the token handoff on) until it answers, and again after the backend
+  was unhealthy: the engine's token channel, if it runs :mod:`kvroute.vllm`.
 * ``GET /v1/models`` until it answers: the served model names, which of them are LoRA adapters
   (an entry with a ``parent``), and ``max_model_len``.
 """
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
+
+from kvroute.vllm.middleware import INFO_PATH
 
 if TYPE_CHECKING:
     from kvroute.fleet import Backend, Fleet
@@ -136,6 +140,8 @@ class HealthMonitor:
                 next_metrics = now + self.metrics_interval_s
             if self.backend.healthy and self.backend.max_model_len is None and not self.backend.models:
                 await self.poll_models()
+            if self.fleet.handoff.active and self.backend.healthy and not self.backend.handoff_checked:
+                await self.poll_handoff()
             wait = next_health - loop.time()
             if self.metrics_interval_s > 0:
                 wait = min(wait, next_metrics - loop.time())
@@ -175,6 +181,23 @@ class HealthMonitor:
             return
         for rank, m in parse_vllm_metrics(r.text).items():
             self.fleet.update_engine_metrics(self.backend, rank, m)
+
+    async def poll_handoff(self) -> None:
+        """Where the backend's token channel is (``GET /kvroute/handoff`` of :mod:`kvroute.vllm`);
+        any answer but a 200 with an endpoint means it has none."""
+        try:
+            r = await self.client.get(self.backend.url + INFO_PATH, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return  # ask again on the next round
+        endpoint = None
+        if r.status_code == 200:
+            try:
+                value = r.json().get("endpoint")
+            except (ValueError, AttributeError):
+                value = None
+            endpoint = value if isinstance(value, str) and value else None
+        self.backend.handoff_checked = True
+        self.fleet.handoff.set_channel(self.backend, endpoint)
 
     async def poll_models(self) -> None:
         try:

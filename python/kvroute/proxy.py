@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from kvroute._native import Decision, NoEligibleWorkerError, SaturatedError
+from kvroute._native import Decision, NoEligibleWorkerError, SaturatedError, block_hashes
 from kvroute.config import RouterConfig
 from kvroute.fleet import Backend, Engine, Fleet
 from kvroute.prompts import Prompt
@@ -73,6 +73,9 @@ class Job:
     request_id: str
     headers: dict[str, str]
     arrived: float = field(default_factory=time.perf_counter)
+    handoff: bool = False
+    """The prompt's ids may be handed to the engine (:mod:`kvroute.handoff`): exact, one prompt,
+    and not already token ids."""
 
 
 @dataclass(slots=True)
@@ -198,6 +201,12 @@ class ProxyCall:
                     continue
                 backend, engine = entry
                 self.backend = backend.name
+                peers = p.fleet.peers
+                if peers is not None:
+                    hashes = block_hashes(job.prompt.tokens, p.config.block_size, job.lora, job.salt)
+                    peers.reserved(
+                        d, backend.name, engine.rank, job.prompt.count, job.expected_output_tokens, hashes
+                    )
                 if attempt == 0:
                     p.metrics.total.observe(now - job.arrived)
                 self._record(d, backend, engine, attempt)
@@ -214,13 +223,30 @@ class ProxyCall:
                 p.metrics.retries.labels(backend.name, failure.reason).inc()
                 excluded.append(d.worker)
             finally:
-                sched.release(d.reservation)
+                self._release(d.reservation)
         if failure is None:
             self.status = 503
             await send_error(send, 503, "no healthy backend is available")
             return
         self.status = failure.status
         await send_error(send, failure.status, f"all backends failed; last error: {failure.message}")
+
+    # The lifecycle goes to the scheduler and, with fan-out, to the peer routers.
+
+    def _prefill_done(self, reservation: int) -> None:
+        self.p.fleet.scheduler.prefill_done(reservation)
+        if self.p.fleet.peers is not None:
+            self.p.fleet.peers.prefill_done(reservation)
+
+    def _progress(self, reservation: int, generated: int) -> None:
+        self.p.fleet.scheduler.decode_progress(reservation, generated)
+        if self.p.fleet.peers is not None:
+            self.p.fleet.peers.progress(reservation, generated)
+
+    def _release(self, reservation: int) -> None:
+        self.p.fleet.scheduler.release(reservation)
+        if self.p.fleet.peers is not None:
+            self.p.fleet.peers.finished(reservation)
 
     def _record(self, d: Decision, backend: Backend, engine: Engine, attempt: int) -> None:
         p, job = self.p, self.job
@@ -265,9 +291,10 @@ class ProxyCall:
             try:
                 limit = p.config.first_byte_timeout_s if job.stream else None
                 async with asyncio.timeout(limit):
-                    resp = await p.session.post(
-                        backend.url + job.route, data=job.body, headers=self._headers(backend, engine)
-                    )
+                    upstream = self._headers(backend, engine)
+                    if p.fleet.handoff.active:
+                        p.fleet.handoff.offer(backend.name, job.prompt.tokens, job.handoff, upstream)
+                    resp = await p.session.post(backend.url + job.route, data=job.body, headers=upstream)
                     if resp.status >= 500:
                         body = await resp.read()
                         finished = True
@@ -281,7 +308,7 @@ class ProxyCall:
                         if resp.status == 200:
                             ttft = max(d.est_ttft_s, 0.0)
                             loop = asyncio.get_running_loop()
-                            timer = loop.call_later(ttft, p.fleet.scheduler.prefill_done, d.reservation)
+                            timer = loop.call_later(ttft, self._prefill_done, d.reservation)
                         await resp.read()
                         finished = True
             except aiohttp.ClientConnectorError as e:
@@ -328,9 +355,8 @@ class ProxyCall:
         headers: list[tuple[bytes, bytes]],
     ) -> bool:
         """Streams the rest of the response; returns whether the upstream body ended cleanly."""
-        sched = self.p.fleet.scheduler
         res = d.reservation
-        sched.prefill_done(res)
+        self._prefill_done(res)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         generated = first.count(b"data:")
         reported = 0
@@ -342,7 +368,7 @@ class ProxyCall:
             async for chunk in resp.content.iter_any():
                 generated += chunk.count(b"data:")
                 if generated - reported >= PROGRESS_EVERY:
-                    sched.decode_progress(res, generated)
+                    self._progress(res, generated)
                     reported = generated
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last = chunk

@@ -131,6 +131,9 @@ class InferenceEndpoint:
             request_id=rid,
             headers=headers,
             arrived=arrived,
+            handoff=prompt.exact
+            and parsed.prompts == 1
+            and (parsed.reused_ids is None if parsed.kind == "chat" else parsed.prompt_text is not None),
         )
 
     async def _prompt(self, parsed: ParsedRequest) -> Prompt:

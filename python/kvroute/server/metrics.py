@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from kvroute.fleet import Fleet
+    from kvroute.peers import PeerFanout
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _OVERHEAD_BUCKETS = (
@@ -110,6 +111,8 @@ class _FleetCollector(Collector):
             ("saturated", "Decisions refused because every engine was at its in-flight limit"),
             ("released", "Reservations released"),
             ("expired", "Reservations that expired without a release"),
+            ("remote_applied", "Peer updates that changed the ledger"),
+            ("remote_ignored", "Peer updates ignored (own, duplicate, finished or unknown)"),
         ):
             fam = CounterMetricFamily(f"kvroute_scheduler_{key}", doc)
             fam.add_metric([], counters.get(key, 0))
@@ -128,9 +131,61 @@ class _FleetCollector(Collector):
         )
         speculated.add_metric([], stats["speculative_blocks"])
         yield speculated
+        handoff = CounterMetricFamily(
+            "kvroute_token_handoff",
+            "Requests by token-handoff result: sent, would_block (channel full or not connected), "
+            "no_channel (the engine announced none), skipped (prompt not eligible)",
+            labels=["backend", "result"],
+        )
+        for (backend, result), n in sorted(f.handoff.counts.items()):
+            handoff.add_metric([backend, result], n)
+        yield handoff
+        if f.peers is not None:
+            yield from _peer_metrics(f.peers)
         res = GaugeMetricFamily("kvroute_reservations", "Reservations in the ledger")
         res.add_metric([], f.scheduler.reservations())
         yield res
+
+
+def _peer_metrics(peers: PeerFanout) -> Iterator[Metric]:
+    links = peers.links.links
+    up = GaugeMetricFamily("kvroute_peer_up", "1 while batches to the peer go out", labels=["peer"])
+    sent = CounterMetricFamily("kvroute_peer_sent_batches", "Batches sent to the peer", labels=["peer"])
+    dropped = CounterMetricFamily(
+        "kvroute_peer_dropped_batches",
+        "Batches dropped because the peer was unreachable or too slow",
+        labels=["peer"],
+    )
+    for endpoint, link in links.items():
+        up.add_metric([endpoint], 1.0 if link.up else 0.0)
+        sent.add_metric([endpoint], link.sent)
+        dropped.add_metric([endpoint], link.dropped)
+    yield from (up, sent, dropped)
+    received = CounterMetricFamily(
+        "kvroute_peer_received_batches",
+        "Peer batches received, by result (applied, own, duplicate, malformed, auth_failed, stale)",
+        labels=["result"],
+    )
+    for result, n in peers.remote.results.items():
+        received.add_metric([result], n)
+    yield received
+    live = GaugeMetricFamily(
+        "kvroute_peer_remote_reservations", "Reservations held for each peer router", labels=["origin"]
+    )
+    for origin, n in peers.remote.live_by_origin().items():
+        live.add_metric([origin], n)
+    yield live
+    for name, doc, value in (
+        ("kvroute_peer_timeouts", "Peer routers dropped after falling silent", peers.remote.timeouts),
+        (
+            "kvroute_peer_unknown_engines",
+            "Peer records naming an engine unknown here",
+            peers.remote.unknown_engines,
+        ),
+    ):
+        fam = CounterMetricFamily(name, doc)
+        fam.add_metric([], value)
+        yield fam
 
 
 class Metrics:

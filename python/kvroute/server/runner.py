@@ -98,6 +98,15 @@ class RouterServer:
         sock = listen(c.host, c.port)
         host, port = sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        if c.fanout:
+            from kvroute.peers import PeerFanout
+
+            fleet.peers = PeerFanout(c, fleet, c.router_name or self.url.removeprefix("http://"))
+            try:
+                await fleet.peers.start()
+            except BaseException:
+                sock.close()
+                raise
         self._server = uvicorn.Server(
             uvicorn.Config(
                 build_app(self._state),

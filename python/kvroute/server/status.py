@@ -48,6 +48,7 @@ def snapshot(state: RouterState) -> dict[str, Any]:
             k: stats[k] for k in ("workers", "blocks", "entries", "memory_bytes", "speculative_blocks")
         },
         "backends": backends,
+        "peers": f.peers.snapshot() if f.peers is not None else None,
         "recent_decisions": list(state.proxy.decisions)[-20:][::-1],
     }
 

@@ -59,6 +59,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     a("--topic", help="ZMQ topic (default empty, as vLLM)")
     a("--buffer-steps", type=int, help="batches kept for replay (default 10000)")
     a("--legacy-events", action="store_true", default=None, help="array-encoded events (vLLM <= 0.23)")
+    a(
+        "--no-handoff",
+        dest="handoff",
+        action="store_false",
+        default=None,
+        help="serve without the token-handoff middleware (kvroute.vllm)",
+    )
     a("--fault", dest="faults", action="append", metavar="SPEC", help="inject a fault (repeatable)")
     a("--fault-seed", type=int)
     a("--log-level", choices=("critical", "error", "warning", "info", "debug"))

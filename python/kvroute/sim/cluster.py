@@ -114,6 +114,8 @@ class SimCluster:
             # (or `kvroute sim`) owns the signals and the loop.
             self._tasks.append(loop.create_task(server._serve([sock]), name=f"kvroute-sim-http-{i}"))
             replica.start()
+            if replica.handoff is not None:
+                await replica.handoff.start()
         while not all(s.started for s in self._servers):
             for t in self._tasks:
                 if t.done():

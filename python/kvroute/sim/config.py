@@ -27,6 +27,7 @@ from typing import Any
 
 from kvroute._native import SIM_PRESETS
 from kvroute.sim.faults import FaultSpec
+from kvroute.vllm.receiver import HandoffSettings
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
 ENV_PREFIX = "KVROUTE_SIM_"
@@ -85,6 +86,14 @@ class SimConfig:
     faults: tuple[FaultSpec, ...] = ()
     fault_seed: int = 0
     max_body_bytes: int = 32 * 1024 * 1024
+    handoff: bool = True
+    """Serve through kvroute's engine-side token-handoff middleware (:mod:`kvroute.vllm`), as a
+    vLLM server loaded with ``--middleware kvroute.vllm.TokenHandoffMiddleware`` does; its PULL
+    socket binds a free port on ``host``, announced at ``GET /kvroute/handoff``."""
+    handoff_ttl_s: float = 10.0
+    handoff_wait_s: float = 0.05
+    handoff_max_entries: int = 4096
+    handoff_max_bytes: int = 256 * 1024 * 1024
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -92,6 +101,18 @@ class SimConfig:
 
     def with_changes(self, **changes: Any) -> SimConfig:
         return replace(self, **changes)
+
+    def handoff_settings(self) -> HandoffSettings:
+        """The engine-side handoff settings of every replica (each binds its own free port)."""
+        return HandoffSettings(
+            enabled=self.handoff,
+            bind=f"tcp://{_zmq_host(self.host)}:*",
+            ttl_s=self.handoff_ttl_s,
+            wait_s=self.handoff_wait_s,
+            max_entries=self.handoff_max_entries,
+            max_bytes=self.handoff_max_bytes,
+            max_body_bytes=self.max_body_bytes,
+        )
 
     def http_port(self, i: int) -> int:
         return 0 if self.base_port == 0 else self.base_port + i
@@ -182,6 +203,10 @@ def _validate(c: SimConfig) -> None:
     _check(c.buffer_steps >= 1, f"buffer_steps: must be >= 1, got {c.buffer_steps}")
     _check(c.hwm >= 0, "hwm: must be >= 0")
     _check(c.max_body_bytes >= 1024, "max_body_bytes: must be >= 1024")
+    try:
+        c.handoff_settings()
+    except ValueError as err:
+        raise ConfigError(f"handoff: {err}") from None
     _check(e.preset in SIM_PRESETS, f"preset: unknown {e.preset!r} (known: {', '.join(SIM_PRESETS)})")
     _check(
         e.hash_algo in HASH_ALGOS, f"hash_algo: must be one of {', '.join(HASH_ALGOS)}, got {e.hash_algo!r}"

@@ -93,6 +93,7 @@ def render(
     engine: Mapping[str, float],
     cache_info: Mapping[str, object],
     stats: ReplicaStats,
+    handoff: Mapping[str, int] | None = None,
 ) -> str:
     """The ``/metrics`` text. ``engine`` is ``SimEngine.metrics()``; ``cache_info`` the labels of
     ``vllm:cache_config_info``."""
@@ -149,6 +150,12 @@ def render(
         stats.crashed_requests,
     )
     w.counter("kvroute_sim:restarts", "Engine restarts (injected).", stats.restarts)
+    for name, value in (handoff or {}).items():
+        w.counter(
+            f"kvroute_sim:handoff_{name}",
+            f"Token handoff (kvroute.vllm): {name.replace('_', ' ')} (see kvroute.vllm.StoreStats).",
+            value,
+        )
     w.counter("kvroute_sim:engine_steps", "Engine steps taken.", stats.steps)
     w.counter(
         "kvroute_sim:modelled_step_seconds",

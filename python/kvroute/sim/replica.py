@@ -21,6 +21,7 @@ from kvroute.sim.faults import FaultSpec, FaultState
 from kvroute.sim.metrics import ReplicaStats, render
 from kvroute.sim.protocol import ApiError, ChatRequest, bad_request
 from kvroute.tokenization import Tokenizer
+from kvroute.vllm.receiver import TokenReceiver
 
 
 class Replica:
@@ -80,6 +81,10 @@ class Replica:
         self.block_size = int(self.engine.metrics()["block_size"])
         self.engine_config: dict[str, object] = dict(engine_config)
         self._timers: list[asyncio.TimerHandle] = []
+        self.handoff: TokenReceiver | None = None
+        """The token-handoff receiver of :mod:`kvroute.vllm` (None when ``config.handoff`` is off)."""
+        if config.handoff:
+            self.handoff = TokenReceiver(config.handoff_settings(), zmq_ctx=zmq_ctx)
 
     def start(self) -> None:
         if self.publisher is not None:
@@ -92,6 +97,8 @@ class Replica:
     async def aclose(self) -> None:
         for timer in self._timers:
             timer.cancel()
+        if self.handoff is not None:
+            await self.handoff.aclose()
         await self.loop.aclose()
         if self.publisher is not None:
             await self.publisher.aclose()
@@ -163,7 +170,10 @@ class Replica:
             "num_gpu_blocks": int(m["num_gpu_blocks"]),
             "prefix_caching_hash_algo": self.config.engine.hash_algo,
         }
-        return render(model=self.config.model, engine=m, cache_info=cache_info, stats=self.stats)
+        handoff = self.handoff.store.stats.as_dict() if self.handoff is not None else None
+        return render(
+            model=self.config.model, engine=m, cache_info=cache_info, stats=self.stats, handoff=handoff
+        )
 
     def apply_fault(self, kind: str, value: float | None) -> None:
         """Applies a fault now (see :mod:`kvroute.sim.faults`)."""

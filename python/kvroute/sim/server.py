@@ -2,10 +2,12 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``, and
-for tests ``GET|POST /admin/fault``. ``X-Request-Id`` is honoured (it names the response ids) and
-echoed; one is generated when absent. Errors have OpenAI-style bodies; validation errors are 400.
-While a fault makes the replica unavailable (``unavailable`` or a crash), the inference routes and
-``/health`` answer 503; ``/metrics`` and ``/admin`` keep answering.
+for tests ``GET|POST /admin/fault``. In front of them sits the token-handoff middleware real vLLM
+loads (:mod:`kvroute.vllm`, with ``GET /kvroute/handoff``) unless ``handoff`` is off.
+``X-Request-Id`` is honoured (it names the response ids) and echoed; one is generated when absent.
+Errors have OpenAI-style bodies; validation errors are 400. While a fault makes the replica
+unavailable (``unavailable`` or a crash), the inference routes and ``/health`` answer 503;
+``/metrics`` and ``/admin`` keep answering.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvroute.sim.faults import FaultError
 from kvroute.sim.protocol import ApiError, bad_request
 from kvroute.sim.replica import Replica
 from kvroute.sim.responses import models_response
+from kvroute.vllm.middleware import TokenHandoffMiddleware
 
 VLLM_VERSION = "0.33.0"
 """The vLLM release whose wire behaviour the simulator follows."""
@@ -181,6 +184,9 @@ def build_app(replica: Replica) -> Starlette:
         Route("/admin/fault", admin_fault, methods=["GET", "POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+    if replica.handoff is not None:
+        # The engine-side plugin real vLLM loads with --middleware: the same code path.
+        app.add_middleware(TokenHandoffMiddleware, receiver=replica.handoff)
     app.add_middleware(RequestIdMiddleware)
     return app
 
