@@ -1,4 +1,4 @@
-"""The ``kvroute`` command. For now: ``--version`` and ``info``."""
+"""The ``kvroute`` command: ``--version``, ``info`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import DEFAULT_BLOCK_SIZE, MAX_WORKERS, PrefixIndex, __version__
+from kvroute.bench import cli as bench_cli
 
 
 def _info() -> int:
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print the version and the index's limits and memory baseline")
+    bench_cli.add_parser(sub)
     return p
 
 
@@ -31,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "bench":
+        return bench_cli.run(args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -144,3 +144,34 @@ pub(crate) fn hit_bounds<'py>(
     d.set_item("mean_rate", w.mean_rate())?;
     Ok(d)
 }
+
+/// A workload's records after its arrival process, as `(block_tokens, [(arrival_s,
+/// input_length, output_length, hash_ids), ...])` (for the live load generator).
+#[pyfunction]
+#[pyo3(signature = (source, *, requests = None, arrival = "trace", arrival_rate = None,
+    arrival_trace = None, seed = 0))]
+#[allow(clippy::type_complexity)]
+pub(crate) fn load_workload(
+    py: Python<'_>,
+    source: &str,
+    requests: Option<i64>,
+    arrival: &str,
+    arrival_rate: Option<f64>,
+    arrival_trace: Option<std::path::PathBuf>,
+    seed: i64,
+) -> PyResult<(usize, Vec<(f64, usize, usize, Vec<u64>)>)> {
+    let seed = size("seed", seed)? as u64;
+    let requests = opt_size("requests", requests)?;
+    let arrival =
+        Arrival::from_spec(arrival, arrival_rate, arrival_trace.as_deref()).map_err(map_err)?;
+    let mut w = py
+        .detach(|| Workload::load(source, requests, seed))
+        .map_err(map_err)?;
+    arrival.apply(&mut w.records, seed).map_err(map_err)?;
+    let records = w
+        .records
+        .into_iter()
+        .map(|r| (r.timestamp_ms / 1000.0, r.input_length, r.output_length, r.hash_ids))
+        .collect();
+    Ok((w.block_tokens, records))
+}

@@ -49,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim::replay_mooncake, m)?)?;
     m.add_function(wrap_pyfunction!(bench::replay, m)?)?;
     m.add_function(wrap_pyfunction!(bench::hit_bounds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::load_workload, m)?)?;
     m.add("GENERATORS", kvroute_core::sim::GENERATORS.to_vec())?;
     m.add("SIM_PRESETS", kvroute_core::sim::preset::PRESETS.to_vec())?;
     m.add(
