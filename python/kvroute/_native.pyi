@@ -24,6 +24,7 @@ from typing_extensions import Buffer
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "GENERATORS",
     "MAX_WORKERS",
     "POLICIES",
     "POLICY_PARAMS",
@@ -46,6 +47,9 @@ __all__ = [
     "block_hashes",
     "block_hashes_list",
     "chain_hash",
+    "hit_bounds",
+    "load_workload",
+    "replay",
     "replay_mooncake",
     "root_hash",
     "vllm_block_hashes",

@@ -52,10 +52,12 @@ def run(
         "engine": {"num_gpu_blocks": num_gpu_blocks} if num_gpu_blocks else {},
         "block_size": TRACE_BLOCK_TOKENS,
     }
-    runner = Path(__file__).with_name("_dynamo_runner.py")
+    # Run as ``-I -c SOURCE``: no script folder on sys.path, where ``dynamo.py`` (this module)
+    # would shadow Dynamo's package, and no user site or environment paths.
+    runner = Path(__file__).with_name("_dynamo_runner.py").read_text()
     try:
         out = subprocess.run(
-            [python, str(runner), json.dumps(args)],
+            [python, "-I", "-c", runner, json.dumps(args)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

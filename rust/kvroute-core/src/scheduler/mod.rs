@@ -331,7 +331,7 @@ impl Scheduler {
         st.next_id += 1;
         let r = Reservation {
             worker: c.worker,
-            prefill_tokens: breakdown.uncached_tokens,
+            prefill_tokens: breakdown.work_tokens,
             prompt_blocks: u64::from(req.prompt_tokens).div_ceil(u64::from(self.cfg.block_size)),
             generated: 0,
             block_size: u64::from(self.cfg.block_size),

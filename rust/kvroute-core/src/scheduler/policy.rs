@@ -74,6 +74,9 @@ pub struct PolicyParams {
     pub decode_s_per_seq: f64,
     /// Tokens one engine step can take (vLLM `max_num_batched_tokens`).
     pub max_batched_tokens: u32,
+    /// Attention time per (new token, context token) pair of a prefill: what makes a long
+    /// prompt cost more than linearly, and a long cached prefix worth more than its length.
+    pub attn_s_per_token_pair: f64,
     /// Time to load one token's KV from the CPU tier (well below recompute).
     pub cpu_load_s_per_token: f64,
     /// How many times its recompute cost a token pushed out by KV-memory overflow is charged.
@@ -107,6 +110,7 @@ impl Default for PolicyParams {
             step_s: 0.006,
             decode_s_per_seq: 5.0e-5,
             max_batched_tokens: 8192,
+            attn_s_per_token_pair: 1.2e-9,
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
             pollution_factor: 0.0,
@@ -158,6 +162,7 @@ macro_rules! params_by_name {
 
 params_by_name!(
     prefill_s_per_token,
+    attn_s_per_token_pair,
     step_s,
     decode_s_per_seq,
     cpu_load_s_per_token,
@@ -225,12 +230,26 @@ pub struct Breakdown {
     pub queued_prefill_tokens: u64,
     /// Prompt tokens that must be computed there.
     pub uncached_tokens: u64,
+    /// Their prefill work in token-equivalents: the uncached tokens plus their attention over
+    /// the cached prefix and each other, at `prefill_s_per_token` (what the ledger books).
+    pub work_tokens: u64,
     /// Prompt tokens loaded from the CPU tier there.
     pub cpu_tokens: u64,
     pub active: u32,
     pub decoding: u32,
     /// Fraction of KV capacity booked there (0 if unknown).
     pub kv_usage: f64,
+}
+
+/// Prefill work of `uncached` new tokens after `cached` ones, in token-equivalents: each new
+/// token attends to the cached prefix and to the new tokens before it.
+pub fn work_tokens(p: &PolicyParams, uncached: u64, cached: u64) -> u64 {
+    if p.attn_s_per_token_pair <= 0.0 || p.prefill_s_per_token <= 0.0 {
+        return uncached;
+    }
+    let (u, c) = (uncached as f64, cached as f64);
+    let pairs = u * c + u * (u + 1.0) / 2.0;
+    uncached + (pairs * p.attn_s_per_token_pair / p.prefill_s_per_token) as u64
 }
 
 /// Terms of the TTFT estimate for one worker.
@@ -240,8 +259,9 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     let gpu_tok = (u64::from(c.gpu_blocks) * bs).min(prompt);
     let cpu_tok = (u64::from(c.cpu_blocks) * bs).min(prompt - gpu_tok);
     let uncached = prompt - gpu_tok - cpu_tok;
+    let own = work_tokens(p, uncached, gpu_tok + cpu_tok);
     let queued = c.load.prefill_tokens;
-    let work = queued + uncached;
+    let work = queued + own;
     let chunk = u64::from(p.max_batched_tokens.max(1));
     let steps = work.div_ceil(chunk).max(1) as f64;
     let mut t = work as f64 * p.prefill_s_per_token
@@ -266,6 +286,7 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
         est_ttft_s: t,
         queued_prefill_tokens: queued,
         uncached_tokens: uncached,
+        work_tokens: own,
         cpu_tokens: cpu_tok,
         active: c.load.active,
         decoding: c.load.decoding,

@@ -213,7 +213,7 @@ impl Cluster {
                 origin: u64::from(r),
                 id: d.reservation,
                 worker: d.worker,
-                prefill_tokens: u64::from(d.prefill_tokens),
+                prefill_tokens: d.breakdown.work_tokens,
                 prompt_blocks,
                 hashes,
             });
@@ -359,9 +359,12 @@ fn calibrate(sc: &mut SchedulerConfig, e: &EngineConfig) {
     decode.add_decode(1);
     let p = &mut sc.params;
     p.step_s = e.latency.step_time(&decode);
+    // Linear cost only: the attention of a chunk over itself is the policy's attention term.
+    let attn = prefill.prefill_pairs * e.latency.attn_s_per_token_pair;
     p.prefill_s_per_token =
-        (e.latency.step_time(&prefill) - e.latency.step_overhead_s) / chunk as f64;
+        (e.latency.step_time(&prefill) - e.latency.step_overhead_s - attn) / chunk as f64;
     p.decode_s_per_seq = e.latency.decode_s_per_seq;
     p.cpu_load_s_per_token = e.latency.cpu_load_s_per_token;
+    p.attn_s_per_token_pair = e.latency.attn_s_per_token_pair;
     p.max_batched_tokens = e.max_num_batched_tokens as u32;
 }
