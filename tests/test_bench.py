@@ -4,6 +4,7 @@ against a streaming endpoint started here (loopback only), and the report math."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -37,7 +38,8 @@ def test_replay_on_a_generator_writes_json_markdown_and_plots(tmp_path: Path) ->
             assert (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rep = _read(tmp_path, "r")
     assert rep["kind"] == "replay"
-    assert rep["capacity"]["policy"] == "round_robin" and rep["capacity"]["rps"] > 0
+    assert rep["capacity"]["policy"] == "round_robin"
+    assert rep["capacity"]["rps"] > 0
     b = rep["bounds"]
     assert 0 < b["pooled_lru"] <= b["belady"] <= b["infinite"] < 1
     runs = rep["runs"]
@@ -56,7 +58,8 @@ def test_replay_on_a_generator_writes_json_markdown_and_plots(tmp_path: Path) ->
     assert rep["summary"][0]["mean_ttft_ms_best_baseline"] == "round_robin"
     md = (tmp_path / "r.md").read_text()
     assert "| load | policy | mean TTFT ms |" in md
-    assert "pooled LRU" in md and "x the best baseline" in md
+    assert "pooled LRU" in md
+    assert "x the best baseline" in md
 
 
 def test_replay_of_a_trace_prefix_with_routers_and_given_capacity(tmp_path: Path) -> None:
@@ -80,7 +83,8 @@ def test_replay_of_a_trace_prefix_with_routers_and_given_capacity(tmp_path: Path
     assert rep["bounds"] is None
     one, two = rep["runs"]
     assert (one["routers"], two["routers"]) == (1, 2)
-    assert one["peer_messages"] == 0 and two["peer_messages"] > 0
+    assert one["peer_messages"] == 0
+    assert two["peer_messages"] > 0
     assert one["offered_rps"] == pytest.approx(4.0)
     assert rep["summary"][1]["hit_kept"] is not None
     assert not list(tmp_path.glob("*.png"))
@@ -107,8 +111,10 @@ def test_native_replay_progress_and_errors() -> None:
         "multi-turn", requests=600, policy="kvroute", progress=lambda d, t: seen.append((d, t))
     )
     assert seen == [(512, 600), (600, 600)]
-    assert r["workload"] == "multi-turn" and r["num_requests"] == 600
-    assert sum(r["requests_per_replica"]) == 600 and len(r["prefill_tokens_per_replica"]) == 8
+    assert r["workload"] == "multi-turn"
+    assert r["num_requests"] == 600
+    assert sum(r["requests_per_replica"]) == 600
+    assert len(r["prefill_tokens_per_replica"]) == 8
 
     def stop(done: int, total: int) -> None:
         raise KeyboardInterrupt
@@ -129,15 +135,18 @@ def test_native_replay_progress_and_errors() -> None:
 
 def test_hit_bounds_and_workloads() -> None:
     b = kvroute.hit_bounds("doc-qa", requests=300)
-    assert b["num_requests"] == 300 and b["workload"] == "doc-qa"
+    assert b["num_requests"] == 300
+    assert b["workload"] == "doc-qa"
     assert 0.5 < b["pooled_lru"] <= b["belady"] <= b["infinite"] < 1
     small = kvroute.hit_bounds("doc-qa", requests=300, num_gpu_blocks=200, replicas=1)
     assert small["pooled_lru"] < b["pooled_lru"]
     block_tokens, recs = kvroute.load_workload(
         "tool-agent", requests=50, arrival="poisson", arrival_rate=100.0
     )
-    assert block_tokens == 64 and len(recs) == 50
-    assert recs[0][0] == 0.0 and all(a[0] <= b[0] for a, b in zip(recs, recs[1:], strict=False))
+    assert block_tokens == 64
+    assert len(recs) == 50
+    assert recs[0][0] == 0.0
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(recs))
     assert 0.2 < recs[-1][0] < 1.0
 
 
@@ -146,7 +155,8 @@ def test_percentile_and_report_table_match_numpy() -> None:
     v = list(rng.exponential(100.0, 501))
     for q in (0, 50, 90, 99, 100):
         assert live.percentile(v, q) == pytest.approx(float(np.percentile(v, q)))
-    assert live.percentile([], 50) == 0.0 and live.mean([]) == 0.0
+    assert live.percentile([], 50) == 0.0
+    assert live.mean([]) == 0.0
     runs = [{"policy": "kvroute", "load": 0.5, "mean_ttft_ms": 12.4, "gpu_hit_ratio": 0.25, "preemptions": 3}]
     runs.append(
         {"policy": "kvroute", "load": 0.5, "routers": 4, "fanout_delay_ms": 1.0, "mean_ttft_ms": None}
@@ -161,7 +171,8 @@ def test_prompt_text_shares_prefixes_as_ids_do() -> None:
     a = live.prompt_text([1, 2, 3], 150, 64).split()
     b = live.prompt_text([1, 2, 9], 192, 64).split()
     assert (len(a), len(b)) == (150, 192)
-    assert a[:128] == b[:128] and a[128:150] != b[128:150]
+    assert a[:128] == b[:128]
+    assert a[128:150] != b[128:150]
     assert live.prompt_text([1], 10, 64, seed=1) != live.prompt_text([1], 10, 64, seed=2)
     assert len(set(live.VOCAB)) == 1024
 
@@ -178,7 +189,9 @@ def test_compare_dynamo(tmp_path: Path) -> None:
     names = sorted(r["policy"] for r in rep["dynamo"])
     assert names == ["dynamo:kv_router", "dynamo:round_robin", "kvroute:kvroute", "kvroute:round_robin"]
     for r in rep["dynamo"]:
-        assert r["load"] == 0.5 and r["num_requests"] == 40 and r["mean_ttft_ms"] > 0
+        assert r["load"] == 0.5
+        assert r["num_requests"] == 40
+        assert r["mean_ttft_ms"] > 0
     assert "Side by side with NVIDIA Dynamo" in (tmp_path / "replay.md").read_text()
     with pytest.raises(dynamo.DynamoError):
         dynamo.run("/nonexistent/python", str(small), workers=2, speedups=[1.0])
@@ -278,11 +291,15 @@ def test_live_streams_a_generator_open_loop(tmp_path: Path, endpoint: _Endpoint)
     assert main(argv) == 0
     rep = _read(tmp_path, "live")
     (run,) = rep["runs"]
-    assert run["policy"] == "sim" and run["num_requests"] == 30 and run["errors"] == 0
+    assert run["policy"] == "sim"
+    assert run["num_requests"] == 30
+    assert run["errors"] == 0
     assert 0 < run["p50_ttft_ms"] <= run["p99_ttft_ms"] < 5000
-    assert run["mean_itl_ms"] >= 1.5 and run["mean_e2e_ms"] > run["mean_ttft_ms"]
+    assert run["mean_itl_ms"] >= 1.5
+    assert run["mean_e2e_ms"] > run["mean_ttft_ms"]
     assert run["output_chunks"] == sum(min(5, b["max_tokens"]) for b in endpoint.bodies)
-    assert len(endpoint.bodies) == 30 and all(b["stream"] and b["ignore_eos"] for b in endpoint.bodies)
+    assert len(endpoint.bodies) == 30
+    assert all(b["stream"] and b["ignore_eos"] for b in endpoint.bodies)
     assert all(len(b["prompt"].split()) <= 300 for b in endpoint.bodies)
     assert len(rep["samples"]) == 30
     if report_has_matplotlib():
@@ -296,12 +313,14 @@ def test_live_chat_and_errors(tmp_path: Path, endpoint: _Endpoint) -> None:
         url=endpoint.url, source="doc-qa", requests=5, speedup=100.0, max_tokens=3, chat=True
     )
     rep = live.run(s)
-    assert rep["runs"][0]["errors"] == 0 and "messages" in endpoint.bodies[0]
+    assert rep["runs"][0]["errors"] == 0
+    assert "messages" in endpoint.bodies[0]
     with _Endpoint(fail=True) as bad:
         rep = live.run(
             live.LiveSettings(url=bad.url, source="doc-qa", requests=4, speedup=100.0, max_tokens=2)
         )
-    assert rep["runs"][0]["errors"] == 4 and rep["error_kinds"] == {"HTTP 500": 4}
+    assert rep["runs"][0]["errors"] == 4
+    assert rep["error_kinds"] == {"HTTP 500": 4}
     argv = ["bench", "live", "doc-qa", "--url", "http://127.0.0.1:9", "--requests", "2", "--timeout", "2"]
     assert main([*argv, "--out", str(tmp_path), "--quiet", "--no-plots"]) == 1
 
