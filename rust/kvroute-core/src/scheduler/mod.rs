@@ -169,6 +169,7 @@ impl Scheduler {
             policy: PolicyState {
                 rr: 0,
                 rng: Rng::new(cfg.seed),
+                lane: cfg.router_id,
             },
             approx,
             next_id: 1,

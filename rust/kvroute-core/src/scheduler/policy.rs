@@ -83,6 +83,10 @@ pub struct PolicyParams {
     pub kv_pressure_factor: f64,
     /// Fraction of the uncached prompt charged as future cache pollution (eviction of others).
     pub pollution_factor: f64,
+    /// With peer routers: pick at random among the workers whose estimate is within this
+    /// fraction of the request's own prefill time of the best, so routers deciding at the same
+    /// instant (before their fan-out arrives) do not all take the same worker. 0 = argmin.
+    pub peer_spread: f64,
     // Ray Serve PrefixCacheAffinityRouter
     pub ray_imbalanced_threshold: f64,
     pub ray_match_rate_threshold: f64,
@@ -114,6 +118,7 @@ impl Default for PolicyParams {
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
             pollution_factor: 0.0,
+            peer_spread: 0.0,
             ray_imbalanced_threshold: 10.0,
             ray_match_rate_threshold: 0.1,
             sglang_balance_abs: 64.0,
@@ -168,6 +173,7 @@ params_by_name!(
     cpu_load_s_per_token,
     kv_pressure_factor,
     pollution_factor,
+    peer_spread,
     ray_imbalanced_threshold,
     ray_match_rate_threshold,
     sglang_balance_abs,
@@ -319,6 +325,8 @@ impl Rng {
 pub struct PolicyState {
     pub rr: u64,
     pub rng: Rng,
+    /// This router's position among its peers (its router id): which near-best worker it takes.
+    pub lane: u64,
 }
 
 /// Index of the minimum of `key` over `cands`, ties broken at random.
@@ -362,7 +370,7 @@ pub fn choose(
     debug_assert!(!cands.is_empty());
     let rng = &mut st.rng;
     match kind {
-        PolicyKind::Kvroute => argmin_by(cands, rng, |c| ttft_terms(p, req, c).est_ttft_s),
+        PolicyKind::Kvroute => kvroute(p, req, cands, rng, st.lane),
         PolicyKind::RoundRobin => {
             let i = (st.rr % cands.len() as u64) as usize;
             st.rr += 1;
@@ -382,6 +390,34 @@ pub fn choose(
         PolicyKind::LlmDWeighted => llm_d(p, req, cands, rng),
         PolicyKind::PrebleE2 => preble(p, req, cands, rng),
     }
+}
+
+/// kvroute: the smallest estimated TTFT. With `peer_spread`, router `lane` takes the
+/// `lane`-th best (cyclically) of the workers within `peer_spread` x the request's own prefill
+/// time of the best: routers deciding at the same instant from the same state then spread over
+/// the near-best workers instead of all taking the best one.
+fn kvroute(
+    p: &PolicyParams,
+    req: &RequestInfo,
+    cands: &[Candidate],
+    rng: &mut Rng,
+    lane: u64,
+) -> (usize, f64) {
+    let (i, best) = argmin_by(cands, rng, |c| ttft_terms(p, req, c).est_ttft_s);
+    if p.peer_spread <= 0.0 || cands.len() < 2 || lane == 0 {
+        return (i, best);
+    }
+    let own = ttft_terms(p, req, &cands[i]).work_tokens as f64 * p.prefill_s_per_token;
+    let limit = best + p.peer_spread * own;
+    let mut near: Vec<(f64, usize)> = cands
+        .iter()
+        .enumerate()
+        .map(|(j, c)| (ttft_terms(p, req, c).est_ttft_s, j))
+        .filter(|(e, _)| *e <= limit)
+        .collect();
+    near.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (e, j) = near[(lane % near.len() as u64) as usize];
+    (j, e)
 }
 
 /// Ray Serve: longest match when balanced and the match rate clears the threshold, else the

@@ -431,3 +431,29 @@ fn summarise(
         wall_time_s: started.elapsed().as_secs_f64(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_interpolate_like_numpy() {
+        let v = [1.0, 2.0, 3.0, 4.0, 10.0];
+        assert_eq!(percentile(&v, 0.0), 1.0);
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 100.0), 10.0);
+        // numpy.percentile([1, 2, 3, 4, 10], 90) == 7.6
+        assert!((percentile(&v, 90.0) - 7.6).abs() < 1e-12);
+        assert!((percentile(&v, 99.0) - 9.76).abs() < 1e-12);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+        assert_eq!(percentile(&[5.0], 99.0), 5.0);
+    }
+
+    #[test]
+    fn imbalance_is_max_over_mean() {
+        assert_eq!(imbalance(&[10, 10, 10, 10]), 1.0);
+        assert_eq!(imbalance(&[30, 10, 10, 10]), 2.0);
+        assert_eq!(imbalance(&[0, 0]), 0.0);
+        assert_eq!(imbalance(&[]), 0.0);
+    }
+}
