@@ -64,7 +64,7 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--arrival",
-        choices=("trace", "poisson", "azure"),
+        choices=("trace", "trace-spread", "poisson", "azure"),
         default="trace",
         help="arrival process before load scaling (default: the workload's own)",
     )

@@ -35,7 +35,11 @@ fn a_generated_workload_replays_at_the_requested_rate() {
     assert_eq!(r.num_requests, 400);
     assert_eq!(r.workload, "shared-prefix");
     assert!((r.offered_rps - 40.0).abs() < 1e-6, "{}", r.offered_rps);
-    assert!((r.speedup - 2.0).abs() < 0.5, "natural rate 20/s: {}", r.speedup);
+    assert!(
+        (r.speedup - 2.0).abs() < 0.5,
+        "natural rate 20/s: {}",
+        r.speedup
+    );
     assert!(r.p50_e2e_ms <= r.p90_e2e_ms && r.p90_e2e_ms <= r.p99_e2e_ms);
     assert_eq!(r.prefill_tokens_per_replica.len(), 4);
     // Shared system prompts: most prompt tokens are hits for a cache-aware router.
@@ -163,7 +167,10 @@ fn every_ledger_drains_and_applies_its_peers_messages() {
     let mut decisions = 0;
     for s in c.schedulers() {
         assert_eq!(s.reservations(), 0);
-        assert!(s.loads().iter().all(|(_, l)| l.active == 0 && l.kv_blocks == 0));
+        assert!(s
+            .loads()
+            .iter()
+            .all(|(_, l)| l.active == 0 && l.kv_blocks == 0));
         s.check_invariants().unwrap();
         let k = s.counters();
         assert_eq!(k.decisions, 20);
@@ -196,9 +203,19 @@ fn a_cache_aware_router_approaches_the_pooled_bound_on_documents() {
         ..cfg("kvroute")
     };
     let e = engine_config(&c).unwrap();
-    let b = hit_bounds(&w, e.block_size, 4 * (e.num_gpu_blocks - 1), 0, e.vocab_size);
+    let b = hit_bounds(
+        &w,
+        e.block_size,
+        4 * (e.num_gpu_blocks - 1),
+        0,
+        e.vocab_size,
+    );
     assert!(b.pooled_lru <= b.belady && b.belady <= b.infinite);
     let r = run(&w, &c);
-    assert!(r.gpu_hit_ratio > 0.85 * b.pooled_lru, "{} vs {b:?}", r.gpu_hit_ratio);
+    assert!(
+        r.gpu_hit_ratio > 0.85 * b.pooled_lru,
+        "{} vs {b:?}",
+        r.gpu_hit_ratio
+    );
     assert!(r.gpu_hit_ratio <= b.infinite + 1e-9);
 }

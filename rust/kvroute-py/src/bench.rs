@@ -107,6 +107,7 @@ pub(crate) fn replay<'py>(
 #[pyfunction]
 #[pyo3(signature = (source, *, requests = None, replicas = 8, preset = "llama3-8b-h100",
     num_gpu_blocks = None, block_size = None, seed = 0))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn hit_bounds<'py>(
     py: Python<'py>,
     source: &str,
@@ -171,7 +172,14 @@ pub(crate) fn load_workload(
     let records = w
         .records
         .into_iter()
-        .map(|r| (r.timestamp_ms / 1000.0, r.input_length, r.output_length, r.hash_ids))
+        .map(|r| {
+            (
+                r.timestamp_ms / 1000.0,
+                r.input_length,
+                r.output_length,
+                r.hash_ids,
+            )
+        })
         .collect();
     Ok((w.block_tokens, records))
 }

@@ -16,7 +16,7 @@ use crate::hashing::block_hashes;
 use crate::index::{IndexConfig, PrefixIndex, WorkerMatch};
 use crate::{Error, Nanos, Result, WorkerId};
 pub use ledger::{Key, Ledger, Load, Phase, Reservation};
-use policy::{choose, ttft_terms, PolicyState, Rng};
+use policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
 pub use policy::{Breakdown, Candidate, EngineMetrics, PolicyKind, PolicyParams, RequestInfo};
 
 const SECOND: Nanos = 1_000_000_000;
@@ -101,6 +101,8 @@ pub struct RemoteReservation {
     pub id: u64,
     pub worker: WorkerId,
     pub prefill_tokens: u64,
+    /// Their prefill work in token-equivalents (0: unknown, derived from `prefill_tokens`).
+    pub prefill_work: u64,
     pub prompt_blocks: u64,
     pub hashes: Vec<u64>,
 }
@@ -332,7 +334,8 @@ impl Scheduler {
         st.next_id += 1;
         let r = Reservation {
             worker: c.worker,
-            prefill_tokens: breakdown.work_tokens,
+            prefill_tokens: breakdown.uncached_tokens,
+            prefill_work: breakdown.work_tokens,
             prompt_blocks: u64::from(req.prompt_tokens).div_ceil(u64::from(self.cfg.block_size)),
             generated: 0,
             block_size: u64::from(self.cfg.block_size),
@@ -428,6 +431,11 @@ impl Scheduler {
                             Reservation {
                                 worker: r.worker,
                                 prefill_tokens: r.prefill_tokens,
+                                prefill_work: if r.prefill_work > 0 {
+                                    r.prefill_work
+                                } else {
+                                    work_tokens(&self.cfg.params, r.prefill_tokens, 0)
+                                },
                                 prompt_blocks: r.prompt_blocks,
                                 generated: 0,
                                 block_size: u64::from(self.cfg.block_size),

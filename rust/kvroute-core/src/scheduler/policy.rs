@@ -117,7 +117,7 @@ impl Default for PolicyParams {
             attn_s_per_token_pair: 1.2e-9,
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
-            pollution_factor: 0.0,
+            pollution_factor: 8.0,
             peer_spread: 0.0,
             ray_imbalanced_threshold: 10.0,
             ray_match_rate_threshold: 0.1,
@@ -267,7 +267,7 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     let uncached = prompt - gpu_tok - cpu_tok;
     let own = work_tokens(p, uncached, gpu_tok + cpu_tok);
     let queued = c.load.prefill_tokens;
-    let work = queued + own;
+    let work = c.load.prefill_work.max(queued) + own;
     let chunk = u64::from(p.max_batched_tokens.max(1));
     let steps = work.div_ceil(chunk).max(1) as f64;
     let mut t = work as f64 * p.prefill_s_per_token

@@ -21,6 +21,10 @@ pub enum Arrival {
     Gaps { gaps: Vec<f64>, rate: Option<f64> },
     /// Every request at time 0: a closed backlog, to measure the most a cluster completes.
     Burst,
+    /// The workload's own times, with requests that share a timestamp spread evenly (in order)
+    /// up to the next distinct one: for traces whose times are quantized (the Mooncake
+    /// conversation trace records ~10 arrivals per ~3 s tick).
+    TraceSpread,
 }
 
 impl Arrival {
@@ -32,12 +36,13 @@ impl Arrival {
         match kind {
             "trace" => Ok(Arrival::Trace),
             "burst" => Ok(Arrival::Burst),
+            "trace-spread" => Ok(Arrival::TraceSpread),
             "poisson" => Ok(Arrival::Poisson {
                 rate: rate.ok_or_else(|| need("a rate"))?,
             }),
             "azure" => Arrival::azure(path.ok_or_else(|| need("an Azure trace path"))?, rate),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown arrival process {kind:?} (known: trace, poisson, azure, burst)"
+                "unknown arrival process {kind:?} (known: trace, trace-spread, poisson, azure, burst)"
             ))),
         }
     }
@@ -67,6 +72,7 @@ impl Arrival {
         match self {
             Arrival::Trace => {}
             Arrival::Burst => records.iter_mut().for_each(|r| r.timestamp_ms = 0.0),
+            Arrival::TraceSpread => spread_ticks(records),
             Arrival::Poisson { rate } => {
                 let rate = positive(*rate)?;
                 let mut s = splitmix64(seed ^ 0x706f_6973_736f_6e00);
@@ -102,6 +108,37 @@ impl Arrival {
             }
         }
         Ok(())
+    }
+}
+
+/// Spreads each run of equal timestamps evenly over the gap to the next distinct one (the last
+/// run over the mean gap between distinct timestamps).
+fn spread_ticks(records: &mut [TraceRecord]) {
+    let n = records.len();
+    let distinct: Vec<f64> = {
+        let mut d: Vec<f64> = records.iter().map(|r| r.timestamp_ms).collect();
+        d.dedup();
+        d
+    };
+    let mean_gap = if distinct.len() > 1 {
+        (distinct[distinct.len() - 1] - distinct[0]) / (distinct.len() - 1) as f64
+    } else {
+        0.0
+    };
+    let mut i = 0;
+    while i < n {
+        let t = records[i].timestamp_ms;
+        let j = (i..n).find(|&j| records[j].timestamp_ms != t).unwrap_or(n);
+        let gap = if j < n {
+            records[j].timestamp_ms - t
+        } else {
+            mean_gap
+        };
+        let k = (j - i) as f64;
+        for (m, r) in records[i..j].iter_mut().enumerate() {
+            r.timestamp_ms = t + gap * m as f64 / k;
+        }
+        i = j;
     }
 }
 
@@ -177,6 +214,23 @@ mod tests {
             .unwrap();
         assert_eq!(again, r, "seeded");
         assert!(Arrival::Poisson { rate: 0.0 }.apply(&mut r, 1).is_err());
+    }
+
+    #[test]
+    fn ticks_are_spread_up_to_the_next_one() {
+        let mut r = records(6);
+        for (x, t) in r.iter_mut().zip([0.0, 0.0, 0.0, 300.0, 600.0, 600.0]) {
+            x.timestamp_ms = t;
+        }
+        Arrival::TraceSpread.apply(&mut r, 0).unwrap();
+        let ts: Vec<f64> = r.iter().map(|x| x.timestamp_ms).collect();
+        assert_eq!(ts, vec![0.0, 100.0, 200.0, 300.0, 600.0, 750.0]);
+        assert_eq!(
+            Arrival::from_spec("trace-spread", None, None).unwrap(),
+            Arrival::TraceSpread
+        );
+        assert!(Arrival::from_spec("poisson", None, None).is_err());
+        assert!(Arrival::from_spec("nope", None, None).is_err());
     }
 
     #[test]

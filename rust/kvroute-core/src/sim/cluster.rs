@@ -213,7 +213,8 @@ impl Cluster {
                 origin: u64::from(r),
                 id: d.reservation,
                 worker: d.worker,
-                prefill_tokens: d.breakdown.work_tokens,
+                prefill_tokens: u64::from(d.prefill_tokens),
+                prefill_work: d.breakdown.work_tokens,
                 prompt_blocks,
                 hashes,
             });
