@@ -83,6 +83,8 @@ pub struct PolicyParams {
     pub kv_pressure_factor: f64,
     /// Fraction of the uncached prompt charged as future cache pollution (eviction of others).
     pub pollution_factor: f64,
+    /// Time constant (seconds) of the prefix heat: how long a reuse of a prefix keeps counting.
+    pub heat_window_s: f64,
     /// With peer routers: pick at random among the workers whose estimate is within this
     /// fraction of the request's own prefill time of the best, so routers deciding at the same
     /// instant (before their fan-out arrives) do not all take the same worker. 0 = argmin.
@@ -118,6 +120,7 @@ impl Default for PolicyParams {
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
             pollution_factor: 8.0,
+            heat_window_s: 10.0,
             peer_spread: 0.0,
             ray_imbalanced_threshold: 10.0,
             ray_match_rate_threshold: 0.1,
@@ -173,6 +176,7 @@ params_by_name!(
     cpu_load_s_per_token,
     kv_pressure_factor,
     pollution_factor,
+    heat_window_s,
     peer_spread,
     ray_imbalanced_threshold,
     ray_match_rate_threshold,
@@ -222,6 +226,9 @@ pub struct RequestInfo {
     /// Full blocks in the prompt.
     pub blocks: u32,
     pub block_size: u32,
+    /// How many other requests recently reused the same cached prefix (decayed count, see
+    /// [`PolicyParams::heat_window_s`]): 0 for a prefix only this request's own history shares.
+    pub prefix_heat: f64,
 }
 
 /// Why a worker was chosen: the terms of kvroute's TTFT model for it (computed for every
@@ -230,7 +237,8 @@ pub struct RequestInfo {
 pub struct Breakdown {
     /// The policy's own score for the chosen worker (its units depend on the policy).
     pub score: f64,
-    /// kvroute's estimate of the time to first token on the chosen worker, seconds.
+    /// kvroute's estimate of the time to first token on the chosen worker, seconds, plus its
+    /// cache-pollution charge (kvroute's score).
     pub est_ttft_s: f64,
     /// Prefill tokens queued ahead of this request there.
     pub queued_prefill_tokens: u64,
@@ -272,8 +280,7 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     let steps = work.div_ceil(chunk).max(1) as f64;
     let mut t = work as f64 * p.prefill_s_per_token
         + cpu_tok as f64 * p.cpu_load_s_per_token
-        + steps * (p.step_s + f64::from(c.load.decoding) * p.decode_s_per_seq)
-        + uncached as f64 * p.pollution_factor * p.prefill_s_per_token;
+        + steps * (p.step_s + f64::from(c.load.decoding) * p.decode_s_per_seq);
     let mut usage = 0.0;
     if c.capacity_blocks > 0 {
         let cap = f64::from(c.capacity_blocks);
@@ -287,9 +294,15 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
             t += (need - free) * bs as f64 * p.prefill_s_per_token * p.kv_pressure_factor;
         }
     }
+    // Not time this request waits: the cache its computed tokens take from later requests. A
+    // copy of a prefix other requests keep reusing (a hot system prompt) is not waste, so the
+    // charge fades with the prefix's heat.
+    let pollution =
+        uncached as f64 * p.pollution_factor * p.prefill_s_per_token / (1.0 + req.prefix_heat);
+    // The reported estimate is the policy's score: TTFT plus this charge (both in seconds).
     Breakdown {
-        score: t,
-        est_ttft_s: t,
+        score: t + pollution,
+        est_ttft_s: t + pollution,
         queued_prefill_tokens: queued,
         uncached_tokens: uncached,
         work_tokens: own,
@@ -403,7 +416,7 @@ fn kvroute(
     rng: &mut Rng,
     lane: u64,
 ) -> (usize, f64) {
-    let (i, best) = argmin_by(cands, rng, |c| ttft_terms(p, req, c).est_ttft_s);
+    let (i, best) = argmin_by(cands, rng, |c| ttft_terms(p, req, c).score);
     if p.peer_spread <= 0.0 || cands.len() < 2 || lane == 0 {
         return (i, best);
     }
@@ -412,7 +425,7 @@ fn kvroute(
     let mut near: Vec<(f64, usize)> = cands
         .iter()
         .enumerate()
-        .map(|(j, c)| (ttft_terms(p, req, c).est_ttft_s, j))
+        .map(|(j, c)| (ttft_terms(p, req, c).score, j))
         .filter(|(e, _)| *e <= limit)
         .collect();
     near.sort_by(|a, b| a.0.total_cmp(&b.0));
