@@ -5,6 +5,7 @@ The routing core is Rust (``kvroute._native``); this package is its public Pytho
 
 from kvroute._native import (
     DEFAULT_BLOCK_SIZE,
+    GENERATORS,
     MAX_WORKERS,
     POLICIES,
     POLICY_PARAMS,
@@ -27,6 +28,9 @@ from kvroute._native import (
     block_hashes,
     block_hashes_list,
     chain_hash,
+    hit_bounds,
+    load_workload,
+    replay,
     replay_mooncake,
     root_hash,
     vllm_block_hashes,
@@ -34,6 +38,7 @@ from kvroute._native import (
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "GENERATORS",
     "MAX_WORKERS",
     "POLICIES",
     "POLICY_PARAMS",
@@ -56,6 +61,9 @@ __all__ = [
     "block_hashes",
     "block_hashes_list",
     "chain_hash",
+    "hit_bounds",
+    "load_workload",
+    "replay",
     "replay_mooncake",
     "root_hash",
     "vllm_block_hashes",

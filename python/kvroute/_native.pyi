@@ -17,13 +17,14 @@ of ints raises ``TypeError``.
 Times are integer nanoseconds on a monotonic clock; ``now_ns=None`` reads ``time.monotonic_ns()``.
 """
 
-from collections.abc import Mapping, Sequence
-from typing import Final, Self, TypeAlias, TypedDict, final, type_check_only
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Self, TypeAlias, TypedDict, final, type_check_only
 
 from typing_extensions import Buffer
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "GENERATORS",
     "MAX_WORKERS",
     "POLICIES",
     "POLICY_PARAMS",
@@ -46,6 +47,9 @@ __all__ = [
     "block_hashes",
     "block_hashes_list",
     "chain_hash",
+    "hit_bounds",
+    "load_workload",
+    "replay",
     "replay_mooncake",
     "root_hash",
     "vllm_block_hashes",
@@ -65,6 +69,9 @@ POLICY_PARAMS: Final[list[str]]
 """Names of the policy knobs accepted by ``Scheduler(params=...)``."""
 SIM_PRESETS: Final[list[str]]
 """Engine presets of :class:`SimEngine`, the default (``"llama3-8b-h100"``) first."""
+GENERATORS: Final[list[str]]
+"""Built-in workload generators of :func:`replay`: ``shared-prefix``, ``multi-turn``,
+``tool-agent`` and ``doc-qa``."""
 SIM_HASH_ALGOS: Final[list[str]]
 """Block-hash algorithms of :class:`SimEngine`: vLLM's ``sha256`` and ``sha256_cbor``, and
 ``xxh3`` (kvroute's content chain; fast, simulator only)."""
@@ -452,3 +459,62 @@ def replay_mooncake(
     virtual time (the GIL is released). Returns the report: TTFT and end-to-end latency
     percentiles (ms), throughput, GPU/CPU token hit ratios, requests per replica, load
     imbalance, preemptions and ``wall_time_s``."""
+
+def replay(
+    source: str,
+    *,
+    requests: int | None = None,
+    replicas: int = 8,
+    policy: str = "round_robin",
+    preset: str = "llama3-8b-h100",
+    speedup: float = 1.0,
+    rate: float | None = None,
+    arrival: str = "trace",
+    arrival_rate: float | None = None,
+    arrival_trace: str | None = None,
+    num_gpu_blocks: int | None = None,
+    num_cpu_blocks: int = 0,
+    block_size: int | None = None,
+    event_delay_s: float = 0.005,
+    routers: int = 1,
+    fanout_delay_s: float | None = None,
+    params: Sequence[tuple[str, float]] | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]:
+    """Replays a workload -- a generator name from :data:`GENERATORS` (``requests`` long, 2,000
+    by default) or a Mooncake JSONL trace path (its first ``requests`` records) -- on
+    ``replicas`` simulated engines behind ``routers`` router replicas, on virtual time, with the
+    GIL released. Arrivals come from ``arrival`` (``"trace"``, ``"poisson"`` at
+    ``arrival_rate``, ``"azure"`` gaps of the CSV ``arrival_trace``, or ``"burst"``: all at 0),
+    then are divided by ``speedup``, or compressed to the mean ``rate``. With several routers
+    and ``fanout_delay_s``, routers share reservations after that delay. ``params`` overrides
+    policy knobs. ``progress(done, total)`` is called every 512 arrivals (with the GIL); if it
+    raises, the replay stops and the exception propagates. Returns the report dict."""
+
+def hit_bounds(
+    source: str,
+    *,
+    requests: int | None = None,
+    replicas: int = 8,
+    preset: str = "llama3-8b-h100",
+    num_gpu_blocks: int | None = None,
+    block_size: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Offline token hit-ratio bounds of a workload on ``replicas`` engines: ``infinite`` (one
+    cache that never evicts), ``pooled_lru`` (one LRU cache of the fleet's size: a perfectly
+    cache-aware router) and ``belady`` (optimal replacement on that size), plus
+    ``num_requests``, ``prompt_tokens`` and ``mean_rate``."""
+
+def load_workload(
+    source: str,
+    *,
+    requests: int | None = None,
+    arrival: str = "trace",
+    arrival_rate: float | None = None,
+    arrival_trace: str | None = None,
+    seed: int = 0,
+) -> tuple[int, list[tuple[float, int, int, list[int]]]]:
+    """A workload after its arrival process: ``(block_tokens, [(arrival_s, input_length,
+    output_length, hash_ids), ...])``."""

@@ -1,4 +1,4 @@
-"""The ``kvroute`` command: ``--version``, ``info``, ``serve`` (the router) and ``sim``."""
+"""The ``kvroute`` command: ``--version``, ``info``, ``serve`` (the router), ``sim`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import DEFAULT_BLOCK_SIZE, MAX_WORKERS, PrefixIndex, __version__
+from kvroute.bench import cli as bench_cli
 from kvroute.server import cli as serve_cli
 from kvroute.sim import cli as sim_cli
 
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="print the version and the index's limits and memory baseline")
     serve_cli.add_parser(sub)
     sim_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return p
 
 
@@ -39,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_cli.run(args)
     if args.command == "sim":
         return sim_cli.run(args)
+    if args.command == "bench":
+        return bench_cli.run(args)
     parser.print_help(sys.stderr)
     return 2
 

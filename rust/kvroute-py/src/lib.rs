@@ -5,9 +5,11 @@
 //! * [`index`]: the `PrefixIndex` class;
 //! * [`hashing`]: block hashing helpers;
 //! * [`scheduler`]: the `Scheduler` and its `Decision`;
-//! * [`sim`]: the simulated engine (`SimEngine`, `StepResult`) and `replay_mooncake`.
+//! * [`sim`]: the simulated engine (`SimEngine`, `StepResult`) and `replay_mooncake`;
+//! * [`bench`]: workload replay (`replay`) and offline hit-ratio bounds (`hit_bounds`).
 use pyo3::prelude::*;
 
+mod bench;
 mod buffers;
 mod errors;
 mod hashing;
@@ -45,6 +47,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sim::PySimEngine>()?;
     m.add_class::<sim::PyStepResult>()?;
     m.add_function(wrap_pyfunction!(sim::replay_mooncake, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::replay, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::hit_bounds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::load_workload, m)?)?;
+    m.add("GENERATORS", kvroute_core::sim::GENERATORS.to_vec())?;
     m.add("SIM_PRESETS", kvroute_core::sim::preset::PRESETS.to_vec())?;
     m.add(
         "SIM_HASH_ALGOS",

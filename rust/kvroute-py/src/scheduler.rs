@@ -309,6 +309,7 @@ impl PyScheduler {
             id,
             worker,
             prefill_tokens,
+            prefill_work: 0,
             prompt_blocks,
             hashes,
         };

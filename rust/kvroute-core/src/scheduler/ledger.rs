@@ -18,6 +18,9 @@ pub type Key = (u64, u64);
 pub struct Load {
     /// Prefill tokens reserved and not yet computed (requests before their first token).
     pub prefill_tokens: u64,
+    /// Their prefill work in token-equivalents (tokens plus attention, see
+    /// [`super::policy::work_tokens`]): what the TTFT estimate queues behind.
+    pub prefill_work: u64,
     /// KV blocks held by in-flight requests (prompt blocks not already cached + generated ones).
     pub kv_blocks: u64,
     /// In-flight requests.
@@ -36,6 +39,8 @@ pub enum Phase {
 pub struct Reservation {
     pub worker: WorkerId,
     pub prefill_tokens: u64,
+    /// `prefill_tokens` in token-equivalents of prefill work (at least `prefill_tokens`).
+    pub prefill_work: u64,
     pub prompt_blocks: u64,
     pub generated: u64,
     pub block_size: u64,
@@ -84,18 +89,20 @@ impl Ledger {
     fn add(&mut self, r: &Reservation, sign: i64) {
         let l = self.loads.entry(r.worker).or_default();
         let kv = r.kv_blocks();
-        let pre = if r.phase == Phase::Prefill {
-            r.prefill_tokens
+        let (pre, work) = if r.phase == Phase::Prefill {
+            (r.prefill_tokens, r.prefill_work)
         } else {
-            0
+            (0, 0)
         };
         if sign > 0 {
             l.prefill_tokens += pre;
+            l.prefill_work += work;
             l.kv_blocks += kv;
             l.active += 1;
             l.decoding += u32::from(r.phase == Phase::Decode);
         } else {
             l.prefill_tokens -= pre;
+            l.prefill_work -= work;
             l.kv_blocks -= kv;
             l.active -= 1;
             l.decoding -= u32::from(r.phase == Phase::Decode);
@@ -197,6 +204,7 @@ impl Ledger {
         let mut t = Load::default();
         for l in self.loads.values() {
             t.prefill_tokens += l.prefill_tokens;
+            t.prefill_work += l.prefill_work;
             t.kv_blocks += l.kv_blocks;
             t.active += l.active;
             t.decoding += l.decoding;

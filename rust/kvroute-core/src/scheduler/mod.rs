@@ -16,7 +16,7 @@ use crate::hashing::block_hashes;
 use crate::index::{IndexConfig, PrefixIndex, WorkerMatch};
 use crate::{Error, Nanos, Result, WorkerId};
 pub use ledger::{Key, Ledger, Load, Phase, Reservation};
-use policy::{choose, ttft_terms, PolicyState, Rng};
+use policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
 pub use policy::{Breakdown, Candidate, EngineMetrics, PolicyKind, PolicyParams, RequestInfo};
 
 const SECOND: Nanos = 1_000_000_000;
@@ -101,6 +101,8 @@ pub struct RemoteReservation {
     pub id: u64,
     pub worker: WorkerId,
     pub prefill_tokens: u64,
+    /// Their prefill work in token-equivalents (0: unknown, derived from `prefill_tokens`).
+    pub prefill_work: u64,
     pub prompt_blocks: u64,
     pub hashes: Vec<u64>,
 }
@@ -144,6 +146,38 @@ struct State {
     matches: Vec<WorkerMatch>,
     approx_matches: Vec<WorkerMatch>,
     cands: Vec<Candidate>,
+    heat: Heat,
+}
+
+/// Decayed reuse counts of the deepest cached prefix requests matched, by its last block hash.
+#[derive(Default)]
+struct Heat {
+    map: hashbrown::HashMap<u64, (f64, Nanos)>,
+}
+
+impl Heat {
+    /// The count of `key` decayed to `now` with time constant `window_s`.
+    fn get(&self, key: u64, now: Nanos, window_s: f64) -> f64 {
+        match self.map.get(&key) {
+            Some(&(count, at)) if window_s > 0.0 => {
+                count * (-(now.saturating_sub(at) as f64 / 1e9) / window_s).exp()
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// Records one more reuse of `key` (its decayed count was `heat`). Bounded: past 65,536
+    /// keys, the oldest half is dropped.
+    fn bump(&mut self, key: u64, heat: f64, now: Nanos) {
+        if self.map.len() >= 1 << 16 {
+            let mut ages: Vec<Nanos> = self.map.values().map(|v| v.1).collect();
+            let mid = ages.len() / 2;
+            let (_, cut, _) = ages.select_nth_unstable(mid);
+            let cut = *cut;
+            self.map.retain(|_, v| v.1 > cut);
+        }
+        self.map.insert(key, (heat + 1.0, now));
+    }
 }
 
 pub struct Scheduler {
@@ -169,6 +203,7 @@ impl Scheduler {
             policy: PolicyState {
                 rr: 0,
                 rng: Rng::new(cfg.seed),
+                lane: cfg.router_id,
             },
             approx,
             next_id: 1,
@@ -176,6 +211,7 @@ impl Scheduler {
             matches: Vec::new(),
             approx_matches: Vec::new(),
             cands: Vec::new(),
+            heat: Heat::default(),
         };
         Ok(Scheduler {
             cfg,
@@ -311,11 +347,20 @@ impl Scheduler {
                 Error::NoEligibleWorker
             });
         }
+        // The deepest prefix some worker holds: its heat says whether other requests reuse it.
+        let deepest = st.matches.iter().map(|m| m.gpu + m.cpu).max().unwrap_or(0) as usize;
+        let key = deepest
+            .checked_sub(1)
+            .and_then(|i| req.hashes.get(i))
+            .copied();
+        let window = self.cfg.params.heat_window_s;
+        let heat = key.map_or(0.0, |k| st.heat.get(k, now, window));
         let info = RequestInfo {
             prompt_tokens: req.prompt_tokens,
             expected_output_tokens: req.expected_output_tokens,
             blocks: req.hashes.len() as u32,
             block_size: self.cfg.block_size,
+            prefix_heat: heat,
         };
         let (i, score) = choose(
             self.cfg.policy,
@@ -332,6 +377,7 @@ impl Scheduler {
         let r = Reservation {
             worker: c.worker,
             prefill_tokens: breakdown.uncached_tokens,
+            prefill_work: breakdown.work_tokens,
             prompt_blocks: u64::from(req.prompt_tokens).div_ceil(u64::from(self.cfg.block_size)),
             generated: 0,
             block_size: u64::from(self.cfg.block_size),
@@ -339,6 +385,9 @@ impl Scheduler {
             expires_at: now.saturating_add(self.cfg.reservation_ttl),
         };
         st.ledger.book((self.cfg.router_id, id), r);
+        if let Some(k) = key {
+            st.heat.bump(k, heat, now);
+        }
         if self.speculates() {
             index.speculate(
                 c.worker,
@@ -427,6 +476,11 @@ impl Scheduler {
                             Reservation {
                                 worker: r.worker,
                                 prefill_tokens: r.prefill_tokens,
+                                prefill_work: if r.prefill_work > 0 {
+                                    r.prefill_work
+                                } else {
+                                    work_tokens(&self.cfg.params, r.prefill_tokens, 0)
+                                },
                                 prompt_blocks: r.prompt_blocks,
                                 generated: 0,
                                 block_size: u64::from(self.cfg.block_size),

@@ -74,12 +74,21 @@ pub struct PolicyParams {
     pub decode_s_per_seq: f64,
     /// Tokens one engine step can take (vLLM `max_num_batched_tokens`).
     pub max_batched_tokens: u32,
+    /// Attention time per (new token, context token) pair of a prefill: what makes a long
+    /// prompt cost more than linearly, and a long cached prefix worth more than its length.
+    pub attn_s_per_token_pair: f64,
     /// Time to load one token's KV from the CPU tier (well below recompute).
     pub cpu_load_s_per_token: f64,
     /// How many times its recompute cost a token pushed out by KV-memory overflow is charged.
     pub kv_pressure_factor: f64,
     /// Fraction of the uncached prompt charged as future cache pollution (eviction of others).
     pub pollution_factor: f64,
+    /// Time constant (seconds) of the prefix heat: how long a reuse of a prefix keeps counting.
+    pub heat_window_s: f64,
+    /// With peer routers: pick at random among the workers whose estimate is within this
+    /// fraction of the request's own prefill time of the best, so routers deciding at the same
+    /// instant (before their fan-out arrives) do not all take the same worker. 0 = argmin.
+    pub peer_spread: f64,
     // Ray Serve PrefixCacheAffinityRouter
     pub ray_imbalanced_threshold: f64,
     pub ray_match_rate_threshold: f64,
@@ -107,9 +116,12 @@ impl Default for PolicyParams {
             step_s: 0.006,
             decode_s_per_seq: 5.0e-5,
             max_batched_tokens: 8192,
+            attn_s_per_token_pair: 1.2e-9,
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
-            pollution_factor: 0.0,
+            pollution_factor: 8.0,
+            heat_window_s: 10.0,
+            peer_spread: 0.0,
             ray_imbalanced_threshold: 10.0,
             ray_match_rate_threshold: 0.1,
             sglang_balance_abs: 64.0,
@@ -158,11 +170,14 @@ macro_rules! params_by_name {
 
 params_by_name!(
     prefill_s_per_token,
+    attn_s_per_token_pair,
     step_s,
     decode_s_per_seq,
     cpu_load_s_per_token,
     kv_pressure_factor,
     pollution_factor,
+    heat_window_s,
+    peer_spread,
     ray_imbalanced_threshold,
     ray_match_rate_threshold,
     sglang_balance_abs,
@@ -211,6 +226,9 @@ pub struct RequestInfo {
     /// Full blocks in the prompt.
     pub blocks: u32,
     pub block_size: u32,
+    /// How many other requests recently reused the same cached prefix (decayed count, see
+    /// [`PolicyParams::heat_window_s`]): 0 for a prefix only this request's own history shares.
+    pub prefix_heat: f64,
 }
 
 /// Why a worker was chosen: the terms of kvroute's TTFT model for it (computed for every
@@ -219,18 +237,33 @@ pub struct RequestInfo {
 pub struct Breakdown {
     /// The policy's own score for the chosen worker (its units depend on the policy).
     pub score: f64,
-    /// kvroute's estimate of the time to first token on the chosen worker, seconds.
+    /// kvroute's estimate of the time to first token on the chosen worker, seconds, plus its
+    /// cache-pollution charge (kvroute's score).
     pub est_ttft_s: f64,
     /// Prefill tokens queued ahead of this request there.
     pub queued_prefill_tokens: u64,
     /// Prompt tokens that must be computed there.
     pub uncached_tokens: u64,
+    /// Their prefill work in token-equivalents: the uncached tokens plus their attention over
+    /// the cached prefix and each other, at `prefill_s_per_token` (what the ledger books).
+    pub work_tokens: u64,
     /// Prompt tokens loaded from the CPU tier there.
     pub cpu_tokens: u64,
     pub active: u32,
     pub decoding: u32,
     /// Fraction of KV capacity booked there (0 if unknown).
     pub kv_usage: f64,
+}
+
+/// Prefill work of `uncached` new tokens after `cached` ones, in token-equivalents: each new
+/// token attends to the cached prefix and to the new tokens before it.
+pub fn work_tokens(p: &PolicyParams, uncached: u64, cached: u64) -> u64 {
+    if p.attn_s_per_token_pair <= 0.0 || p.prefill_s_per_token <= 0.0 {
+        return uncached;
+    }
+    let (u, c) = (uncached as f64, cached as f64);
+    let pairs = u * c + u * (u + 1.0) / 2.0;
+    uncached + (pairs * p.attn_s_per_token_pair / p.prefill_s_per_token) as u64
 }
 
 /// Terms of the TTFT estimate for one worker.
@@ -240,14 +273,14 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     let gpu_tok = (u64::from(c.gpu_blocks) * bs).min(prompt);
     let cpu_tok = (u64::from(c.cpu_blocks) * bs).min(prompt - gpu_tok);
     let uncached = prompt - gpu_tok - cpu_tok;
+    let own = work_tokens(p, uncached, gpu_tok + cpu_tok);
     let queued = c.load.prefill_tokens;
-    let work = queued + uncached;
+    let work = c.load.prefill_work.max(queued) + own;
     let chunk = u64::from(p.max_batched_tokens.max(1));
     let steps = work.div_ceil(chunk).max(1) as f64;
     let mut t = work as f64 * p.prefill_s_per_token
         + cpu_tok as f64 * p.cpu_load_s_per_token
-        + steps * (p.step_s + f64::from(c.load.decoding) * p.decode_s_per_seq)
-        + uncached as f64 * p.pollution_factor * p.prefill_s_per_token;
+        + steps * (p.step_s + f64::from(c.load.decoding) * p.decode_s_per_seq);
     let mut usage = 0.0;
     if c.capacity_blocks > 0 {
         let cap = f64::from(c.capacity_blocks);
@@ -261,11 +294,18 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
             t += (need - free) * bs as f64 * p.prefill_s_per_token * p.kv_pressure_factor;
         }
     }
+    // Not time this request waits: the cache its computed tokens take from later requests. A
+    // copy of a prefix other requests keep reusing (a hot system prompt) is not waste, so the
+    // charge fades with the prefix's heat.
+    let pollution =
+        uncached as f64 * p.pollution_factor * p.prefill_s_per_token / (1.0 + req.prefix_heat);
+    // The reported estimate is the policy's score: TTFT plus this charge (both in seconds).
     Breakdown {
-        score: t,
-        est_ttft_s: t,
+        score: t + pollution,
+        est_ttft_s: t + pollution,
         queued_prefill_tokens: queued,
         uncached_tokens: uncached,
+        work_tokens: own,
         cpu_tokens: cpu_tok,
         active: c.load.active,
         decoding: c.load.decoding,
@@ -298,6 +338,8 @@ impl Rng {
 pub struct PolicyState {
     pub rr: u64,
     pub rng: Rng,
+    /// This router's position among its peers (its router id): which near-best worker it takes.
+    pub lane: u64,
 }
 
 /// Index of the minimum of `key` over `cands`, ties broken at random.
@@ -341,7 +383,7 @@ pub fn choose(
     debug_assert!(!cands.is_empty());
     let rng = &mut st.rng;
     match kind {
-        PolicyKind::Kvroute => argmin_by(cands, rng, |c| ttft_terms(p, req, c).est_ttft_s),
+        PolicyKind::Kvroute => kvroute(p, req, cands, rng, st.lane),
         PolicyKind::RoundRobin => {
             let i = (st.rr % cands.len() as u64) as usize;
             st.rr += 1;
@@ -361,6 +403,34 @@ pub fn choose(
         PolicyKind::LlmDWeighted => llm_d(p, req, cands, rng),
         PolicyKind::PrebleE2 => preble(p, req, cands, rng),
     }
+}
+
+/// kvroute: the smallest estimated TTFT. With `peer_spread`, router `lane` takes the
+/// `lane`-th best (cyclically) of the workers within `peer_spread` x the request's own prefill
+/// time of the best: routers deciding at the same instant from the same state then spread over
+/// the near-best workers instead of all taking the best one.
+fn kvroute(
+    p: &PolicyParams,
+    req: &RequestInfo,
+    cands: &[Candidate],
+    rng: &mut Rng,
+    lane: u64,
+) -> (usize, f64) {
+    let (i, best) = argmin_by(cands, rng, |c| ttft_terms(p, req, c).score);
+    if p.peer_spread <= 0.0 || cands.len() < 2 || lane == 0 {
+        return (i, best);
+    }
+    let own = ttft_terms(p, req, &cands[i]).work_tokens as f64 * p.prefill_s_per_token;
+    let limit = best + p.peer_spread * own;
+    let mut near: Vec<(f64, usize)> = cands
+        .iter()
+        .enumerate()
+        .map(|(j, c)| (ttft_terms(p, req, c).score, j))
+        .filter(|(e, _)| *e <= limit)
+        .collect();
+    near.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (e, j) = near[(lane % near.len() as u64) as usize];
+    (j, e)
 }
 
 /// Ray Serve: longest match when balanced and the match rate clears the threshold, else the

@@ -56,6 +56,7 @@ fn select_then_reserve_racy(s: &Scheduler, now: Nanos) -> Result<u64> {
     let r = Reservation {
         worker,
         prefill_tokens: 16,
+        prefill_work: 16,
         prompt_blocks: 1,
         generated: 0,
         block_size: 16,
@@ -193,6 +194,7 @@ fn remote(origin: u64, id: u64, worker: u64) -> RemoteUpdate {
         id,
         worker,
         prefill_tokens: 100,
+        prefill_work: 0,
         prompt_blocks: 7,
         hashes: vec![],
     })

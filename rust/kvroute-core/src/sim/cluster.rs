@@ -1,14 +1,21 @@
-//! N simulated engines behind the production router, on virtual time.
+//! N simulated engines behind one or more production routers, on virtual time.
 //!
-//! The router is kvroute's own [`Scheduler`] (any policy) over a [`PrefixIndex`]; the engines'
-//! KV-event batches reach the index `event_delay_s` after the step that produced them ends (as
-//! a ZMQ subscriber sees them), and the request lifecycle is reported to the scheduler as a
-//! proxy would: `prefill_done` at the first token, `release` at the end.
+//! Each router is kvroute's own [`Scheduler`] (any policy) over its own [`PrefixIndex`]; every
+//! engine's KV-event batches reach every router's index `event_delay_s` after the step that
+//! produced them ends (as ZMQ subscribers see them), and the request lifecycle is reported to the
+//! router that routed it as a proxy would: `prefill_done` at the first token, `release` at the
+//! end. Requests are spread over the routers round robin (an L4 balancer in front of them).
+//!
+//! With several routers and `fanout_delay_s` set, each router tells the others about its
+//! reservations through [`Scheduler::apply_remote`] (book, prefill done, finished), delivered
+//! after that delay; without it, a router sees only its own in-flight load, which is how
+//! independent router replicas herd onto the same replicas.
 //!
 //! Time only moves through [`Cluster::run_until`]: a binary heap holds each busy engine's next
-//! wake-up (the end of its current step) and a FIFO holds event batches in flight (one fixed
-//! delay, so delivery order is production order). An engine that finishes a step with work left
-//! starts the next one at once; an idle engine starts when a request arrives.
+//! wake-up (the end of its current step) and two FIFOs hold event batches and peer messages in
+//! flight (one fixed delay each, so delivery order is production order). An engine that finishes
+//! a step with work left starts the next one at once; an idle engine starts when a request
+//! arrives.
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
@@ -19,8 +26,12 @@ use super::engine::{Engine, EngineConfig, RequestOutput, StepResult};
 use super::latency::StepShape;
 use super::request::NewRequest;
 use crate::events::EventBatch;
+use crate::hashing::block_hashes;
 use crate::index::PrefixIndex;
-use crate::scheduler::{EngineMetrics, PolicyKind, Scheduler, SchedulerConfig, WorkerInfo};
+use crate::scheduler::{
+    EngineMetrics, PolicyKind, RemoteReservation, RemoteUpdate, Request, Scheduler,
+    SchedulerConfig, WorkerInfo,
+};
 use crate::{Nanos, Result, WorkerId};
 
 /// Shortest step the driver lets an engine take, so time always moves.
@@ -41,6 +52,18 @@ pub struct ClusterConfig {
     /// How often (virtual seconds) each engine's `/metrics` gauges reach the scheduler.
     pub metrics_interval_s: f64,
     pub seed: u64,
+    /// Router replicas (at least 1), each with its own scheduler and index.
+    pub routers: usize,
+    /// Delay of the peer fan-out between routers; `None`: routers do not talk to each other.
+    pub fanout_delay_s: Option<f64>,
+    /// Policy knobs set after calibration ([`crate::scheduler::PolicyParams::set`] names).
+    pub params: Vec<(String, f64)>,
+}
+
+/// One router replica.
+struct Router {
+    scheduler: Scheduler,
+    index: Arc<Mutex<PrefixIndex>>,
 }
 
 /// A time that orders totally (virtual seconds).
@@ -70,39 +93,54 @@ pub struct Cluster {
     last_scrape: Vec<f64>,
     wakeups: BinaryHeap<Reverse<(Time, u32)>>,
     kv_queue: VecDeque<(f64, u32, EventBatch)>,
-    scheduler: Scheduler,
-    index: Arc<Mutex<PrefixIndex>>,
-    /// Per request tag, its reservation at the scheduler while in flight.
-    routed: Vec<Option<u64>>,
+    /// Peer messages in flight: (delivery time, sending router, update).
+    peer_queue: VecDeque<(f64, u32, RemoteUpdate)>,
+    routers: Vec<Router>,
+    /// Per request tag, its router and reservation there while in flight.
+    routed: Vec<Option<(u32, u64)>>,
+    arrivals: u64,
+    block_size: usize,
     event_delay_s: f64,
+    fanout_delay_s: Option<f64>,
     feed_index: bool,
     metrics_interval_s: f64,
-    /// Event batches delivered to the index.
+    /// Event batches delivered (to every router's index).
     pub batches_delivered: u64,
+    /// Peer messages delivered (each to every other router).
+    pub peer_messages: u64,
 }
 
 impl Cluster {
     pub fn new(cfg: &ClusterConfig) -> Result<Self> {
-        let index = Arc::new(Mutex::new(PrefixIndex::default()));
-        let mut sc = SchedulerConfig {
-            policy: cfg.policy,
-            block_size: cfg.engine.block_size as u32,
-            seed: cfg.seed,
-            ..Default::default()
-        };
-        calibrate(&mut sc, &cfg.engine);
-        let scheduler = Scheduler::new(sc, index.clone())?;
-        let mut engines = Vec::with_capacity(cfg.replicas);
-        for w in 0..cfg.replicas {
-            engines.push(Engine::new(cfg.engine.clone())?);
-            scheduler.upsert_worker(WorkerInfo {
-                id: w as WorkerId,
-                capacity_blocks: (cfg.engine.num_gpu_blocks - 1) as u32,
-                cpu_capacity_blocks: cfg.engine.num_cpu_blocks as u32,
-                healthy: true,
-                metrics: None,
-            })?;
+        let mut routers = Vec::with_capacity(cfg.routers.max(1));
+        for r in 0..cfg.routers.max(1) {
+            let index = Arc::new(Mutex::new(PrefixIndex::default()));
+            let mut sc = SchedulerConfig {
+                policy: cfg.policy,
+                block_size: cfg.engine.block_size as u32,
+                router_id: r as u64,
+                seed: cfg.seed.wrapping_add(r as u64),
+                ..Default::default()
+            };
+            calibrate(&mut sc, &cfg.engine);
+            for (k, v) in &cfg.params {
+                sc.params.set(k, *v)?;
+            }
+            let scheduler = Scheduler::new(sc, index.clone())?;
+            for w in 0..cfg.replicas {
+                scheduler.upsert_worker(WorkerInfo {
+                    id: w as WorkerId,
+                    capacity_blocks: (cfg.engine.num_gpu_blocks - 1) as u32,
+                    cpu_capacity_blocks: cfg.engine.num_cpu_blocks as u32,
+                    healthy: true,
+                    metrics: None,
+                })?;
+            }
+            routers.push(Router { scheduler, index });
         }
+        let engines = (0..cfg.replicas)
+            .map(|_| Engine::new(cfg.engine.clone()))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Cluster {
             inflight: vec![StepResult::default(); cfg.replicas],
             busy: vec![false; cfg.replicas],
@@ -110,13 +148,17 @@ impl Cluster {
             engines,
             wakeups: BinaryHeap::new(),
             kv_queue: VecDeque::new(),
-            scheduler,
-            index,
+            peer_queue: VecDeque::new(),
+            routers,
             routed: Vec::new(),
+            arrivals: 0,
+            block_size: cfg.engine.block_size,
             event_delay_s: cfg.event_delay_s.max(0.0),
+            fanout_delay_s: cfg.fanout_delay_s.filter(|_| cfg.routers > 1),
             feed_index: cfg.feed_index,
             metrics_interval_s: cfg.metrics_interval_s,
             batches_delivered: 0,
+            peer_messages: 0,
         })
     }
 
@@ -124,34 +166,59 @@ impl Cluster {
         &self.engines
     }
 
+    /// The first router's scheduler.
     pub fn scheduler(&self) -> &Scheduler {
-        &self.scheduler
+        &self.routers[0].scheduler
     }
 
-    /// Routes a request arriving at `now` and queues it on the chosen engine; returns the worker.
-    /// The request's `tag` must be unique (it keys the router's bookkeeping).
+    /// Every router's scheduler.
+    pub fn schedulers(&self) -> impl Iterator<Item = &Scheduler> {
+        self.routers.iter().map(|r| &r.scheduler)
+    }
+
+    /// Routes a request arriving at `now` through the next router and queues it on the chosen
+    /// engine; returns the worker. The request's `tag` must be unique (it keys the bookkeeping).
     pub fn submit(&mut self, now: f64, req: NewRequest, expected_output: u32) -> Result<WorkerId> {
         self.deliver(now);
-        let lora = req.lora.clone();
-        let salt = req.salt.clone();
-        let d = self.scheduler.select_and_reserve_tokens(
+        let r = (self.arrivals % self.routers.len() as u64) as u32;
+        self.arrivals += 1;
+        let hashes = block_hashes(
             &req.prompt,
-            lora.as_deref(),
-            salt.as_deref(),
-            expected_output,
-            &[],
-            nanos(now),
-        )?;
+            self.block_size,
+            req.lora.as_deref(),
+            req.salt.as_deref(),
+        );
+        let request = Request {
+            hashes: &hashes,
+            prompt_tokens: req.prompt.len() as u32,
+            expected_output_tokens: expected_output,
+            exclude: &[],
+        };
+        let sched = &self.routers[r as usize].scheduler;
+        let d = sched.select_and_reserve(&request, nanos(now))?;
         let w = d.worker as usize;
         let tag = req.tag as usize;
         if self.routed.len() <= tag {
             self.routed.resize(tag + 1, None);
         }
-        self.routed[tag] = Some(d.reservation);
+        self.routed[tag] = Some((r, d.reservation));
+        let prompt_blocks = req.prompt.len().div_ceil(self.block_size) as u64;
         if let Err(e) = self.engines[w].add_request(req) {
-            self.scheduler.release(d.reservation, nanos(now));
+            sched.release(d.reservation, nanos(now));
             self.routed[tag] = None;
             return Err(e);
+        }
+        if let Some(delay) = self.fanout_delay_s {
+            let msg = RemoteUpdate::Reserve(RemoteReservation {
+                origin: u64::from(r),
+                id: d.reservation,
+                worker: d.worker,
+                prefill_tokens: u64::from(d.prefill_tokens),
+                prefill_work: d.breakdown.work_tokens,
+                prompt_blocks,
+                hashes,
+            });
+            self.peer_queue.push_back((now + delay, r, msg));
         }
         if !self.busy[w] {
             self.start_step(w, now);
@@ -163,17 +230,17 @@ impl Cluster {
     pub fn next_time(&self) -> Option<f64> {
         let wake = self.wakeups.peek().map(|Reverse((t, _))| t.0);
         let kv = self.kv_queue.front().map(|(t, _, _)| *t);
-        match (wake, kv) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let peer = self.peer_queue.front().map(|(t, _, _)| *t);
+        [wake, kv, peer].into_iter().flatten().reduce(f64::min)
     }
 
     /// Processes everything that happens up to and including `until`, in time order (at equal
-    /// times, event deliveries first). `sink` sees every request output with its engine and time.
+    /// times, deliveries first). `sink` sees every request output with its engine and time.
     pub fn run_until(&mut self, until: f64, sink: &mut impl FnMut(usize, &RequestOutput, f64)) {
         while let Some(t) = self.next_time().filter(|&t| t <= until) {
-            if self.kv_queue.front().is_some_and(|(k, _, _)| *k <= t) {
+            let due = |q: Option<f64>| q.is_some_and(|k| k <= t);
+            if due(self.kv_queue.front().map(|x| x.0)) || due(self.peer_queue.front().map(|x| x.0))
+            {
                 self.deliver(t);
                 continue;
             }
@@ -184,23 +251,29 @@ impl Cluster {
         }
     }
 
-    /// Applies every event batch due by `now` to the index.
+    /// Applies every event batch and peer message due by `now`.
     fn deliver(&mut self, now: f64) {
-        if !self.kv_queue.front().is_some_and(|(t, _, _)| *t <= now) {
-            return;
-        }
-        while let Some((t, w, batch)) = self.kv_queue.pop_front() {
-            if t > now {
-                self.kv_queue.push_front((t, w, batch));
-                break;
-            }
+        while self.kv_queue.front().is_some_and(|(t, _, _)| *t <= now) {
+            let (t, w, batch) = self.kv_queue.pop_front().expect("checked");
             if self.feed_index {
-                self.index
-                    .lock()
-                    .apply_batch(WorkerId::from(w), &batch, nanos(t))
-                    .expect("workers are registered at start");
+                for r in &self.routers {
+                    r.index
+                        .lock()
+                        .apply_batch(WorkerId::from(w), &batch, nanos(t))
+                        .expect("workers are registered at start");
+                }
             }
             self.batches_delivered += 1;
+        }
+        while self.peer_queue.front().is_some_and(|(t, _, _)| *t <= now) {
+            let (t, from, msg) = self.peer_queue.pop_front().expect("checked");
+            for (i, r) in self.routers.iter().enumerate() {
+                if i as u32 != from {
+                    // Workers are registered and hashes well formed: nothing here can fail.
+                    let _ = r.scheduler.apply_remote(&msg, nanos(t));
+                }
+            }
+            self.peer_messages += 1;
         }
     }
 
@@ -215,13 +288,23 @@ impl Cluster {
     fn end_step(&mut self, w: usize, t: f64, sink: &mut impl FnMut(usize, &RequestOutput, f64)) {
         let step = &mut self.inflight[w];
         for o in &step.outputs {
-            if let Some(r) = self.routed.get(o.tag as usize).copied().flatten() {
+            if let Some((r, id)) = self.routed.get(o.tag as usize).copied().flatten() {
+                let sched = &self.routers[r as usize].scheduler;
+                let origin = u64::from(r);
                 if o.first {
-                    self.scheduler.prefill_done(r, nanos(t));
+                    sched.prefill_done(id, nanos(t));
+                    if let Some(delay) = self.fanout_delay_s {
+                        let msg = RemoteUpdate::PrefillDone { origin, id };
+                        self.peer_queue.push_back((t + delay, r, msg));
+                    }
                 }
                 if o.finish.is_some() {
-                    self.scheduler.release(r, nanos(t));
+                    sched.release(id, nanos(t));
                     self.routed[o.tag as usize] = None;
+                    if let Some(delay) = self.fanout_delay_s {
+                        let msg = RemoteUpdate::Finished { origin, id };
+                        self.peer_queue.push_back((t + delay, r, msg));
+                    }
                 }
             }
             sink(w, o, t);
@@ -238,8 +321,10 @@ impl Cluster {
                 waiting: m.waiting as u32,
                 kv_usage: m.kv_cache_usage,
             };
-            // The worker is registered; an error here would be a bug in this driver.
-            let _ = self.scheduler.set_metrics(w as WorkerId, Some(em));
+            for r in &self.routers {
+                // The worker is registered; an error here would be a bug in this driver.
+                let _ = r.scheduler.set_metrics(w as WorkerId, Some(em));
+            }
         }
         if self.engines[w].has_work() {
             self.start_step(w, t);
@@ -275,9 +360,12 @@ fn calibrate(sc: &mut SchedulerConfig, e: &EngineConfig) {
     decode.add_decode(1);
     let p = &mut sc.params;
     p.step_s = e.latency.step_time(&decode);
+    // Linear cost only: the attention of a chunk over itself is the policy's attention term.
+    let attn = prefill.prefill_pairs * e.latency.attn_s_per_token_pair;
     p.prefill_s_per_token =
-        (e.latency.step_time(&prefill) - e.latency.step_overhead_s) / chunk as f64;
+        (e.latency.step_time(&prefill) - e.latency.step_overhead_s - attn) / chunk as f64;
     p.decode_s_per_seq = e.latency.decode_s_per_seq;
     p.cpu_load_s_per_token = e.latency.cpu_load_s_per_token;
+    p.attn_s_per_token_pair = e.latency.attn_s_per_token_pair;
     p.max_batched_tokens = e.max_num_batched_tokens as u32;
 }

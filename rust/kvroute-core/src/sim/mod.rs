@@ -14,13 +14,17 @@
 //!   outputs with deterministic token ids ([`request`]).
 //! * [`latency`] and [`preset`]: the step-time model and named configurations whose constants
 //!   document their sources, including one that mirrors NVIDIA Dynamo's mocker.
-//! * [`trace`], [`cluster`] and [`replay`]: N engines behind the production
-//!   [`crate::scheduler::Scheduler`] and [`crate::index::PrefixIndex`] on virtual time, fed by a
-//!   Mooncake trace, summarised in a [`replay::ReplayReport`].
+//! * [`trace`], [`workload`] and [`arrival`]: what to replay (a Mooncake trace or a built-in
+//!   generator) and when requests arrive (the trace's times, Poisson, Azure inter-arrivals).
+//! * [`cluster`] and [`replay`]: N engines behind one or more production
+//!   [`crate::scheduler::Scheduler`]s and [`crate::index::PrefixIndex`]es on virtual time,
+//!   summarised in a [`replay::ReplayReport`]; [`bounds`]: offline bounds on the hit ratio.
 //!
 //! Nothing here reads the wall clock except the replay's own wall-time measurement: time is
 //! passed in, and every random choice comes from a seed.
+pub mod arrival;
 pub mod blockhash;
+pub mod bounds;
 pub mod cache;
 pub mod cluster;
 pub mod config;
@@ -33,10 +37,14 @@ pub mod preset;
 pub mod replay;
 pub mod request;
 pub mod trace;
+pub mod workload;
 
+pub use arrival::Arrival;
 pub use blockhash::HashAlgo;
+pub use bounds::{hit_bounds, HitBounds};
 pub use config::EngineOptions;
 pub use engine::{Engine, EngineConfig, EngineMetrics, FinishReason, RequestOutput, StepResult};
 pub use latency::{LatencyModel, StepShape};
-pub use replay::{replay_mooncake, replay_records, ReplayConfig, ReplayReport};
+pub use replay::{replay_mooncake, replay_records, replay_workload, ReplayConfig, ReplayReport};
 pub use request::NewRequest;
+pub use workload::{Workload, GENERATORS};

@@ -92,13 +92,21 @@ pub fn load_mooncake(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRecor
 pub struct TokenSynth {
     seed: u64,
     vocab_size: u32,
+    block_tokens: usize,
 }
 
 impl TokenSynth {
+    /// Blocks of [`MOONCAKE_BLOCK_TOKENS`] tokens.
     pub fn new(seed: u64, vocab_size: u32) -> Self {
+        Self::with_block_tokens(seed, vocab_size, MOONCAKE_BLOCK_TOKENS)
+    }
+
+    /// Blocks of `block_tokens` tokens (the built-in generators use finer blocks than Mooncake).
+    pub fn with_block_tokens(seed: u64, vocab_size: u32, block_tokens: usize) -> Self {
         TokenSynth {
             seed: splitmix64(seed ^ 0x6d6f_6f6e_6361_6b65),
             vocab_size: vocab_size.max(1),
+            block_tokens: block_tokens.max(1),
         }
     }
 
@@ -107,7 +115,7 @@ impl TokenSynth {
         out.reserve(rec.input_length);
         let mut left = rec.input_length;
         for &id in &rec.hash_ids {
-            let n = left.min(MOONCAKE_BLOCK_TOKENS);
+            let n = left.min(self.block_tokens);
             self.block(id, n, out);
             left -= n;
             if left == 0 {
