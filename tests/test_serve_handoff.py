@@ -227,3 +227,25 @@ def store_full_through_router(cluster: ClusterThread) -> None:
         assert tokenized(url) == 1
     finally:
         e.close()
+
+
+def test_sim_without_handoff_has_no_channel() -> None:
+    with ClusterThread(sim_config(replicas=1, handoff=False)) as c:
+        assert httpx.get(c.urls[0] + "/kvroute/handoff", timeout=10).status_code == 404
+        assert c.cluster.replicas[0].handoff is None
+
+
+def test_handoff_settings_and_endpoints() -> None:
+    from kvroute.config import ConfigError, RouterConfig
+    from kvroute.handoff import handoff_active, resolve_endpoint
+
+    base: dict[str, Any] = {"admin_key": "k"}
+    assert handoff_active(RouterConfig(**base, sim=1))
+    assert not handoff_active(RouterConfig(**base))  # the default tokenizer may not be the engines'
+    assert not handoff_active(RouterConfig(**base, sim=1, token_handoff="off"))
+    assert handoff_active(RouterConfig(**base, token_handoff="on"))
+    with pytest.raises(ConfigError, match="token_handoff"):
+        RouterConfig(**base, token_handoff="maybe")
+    assert resolve_endpoint("tcp://0.0.0.0:5700", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5700"
+    assert resolve_endpoint("tcp://*:5700", "http://[fd00::1]:8000") == "tcp://[fd00::1]:5700"
+    assert resolve_endpoint("tcp://engine-7:5700", "http://10.1.2.3:8000") == "tcp://engine-7:5700"

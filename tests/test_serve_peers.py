@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import subprocess
 import sys
@@ -259,7 +260,10 @@ def free_port() -> int:
         return port
 
 
-def test_killing_a_peer_does_not_disturb_the_others(tmp_path: Path, fake: FakeBackend) -> None:
+def test_killing_a_peer_does_not_disturb_the_others(
+    tmp_path: Path, fake: FakeBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvroute.peers")
     mesh = Mesh(tmp_path, fake, 2)
     gone = f"tcp://127.0.0.1:{free_port()}"
     victims: list[RouterProcess] = []
@@ -287,10 +291,13 @@ def test_killing_a_peer_does_not_disturb_the_others(tmp_path: Path, fake: FakeBa
         assert links(r0)[gone][0] is False
         assert f'kvroute_peer_up{{peer="{gone}"}} 0.0' in metric_lines(r0, "kvroute_peer_up")
         assert metric_lines(r0, f'kvroute_peer_dropped_batches_total{{peer="{gone}"}}')
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(gone in w and "unreachable" in w for w in warnings), warnings
         # The dead router's reservation is dropped once it has been silent for peer_timeout_s.
         wait_until(lambda: converged([r0, r1], lambda v: v == (0, 0, 0, 0, 0)), 5)
         assert peer_stat(r0, "timeouts") == 1
         assert peer_stat(r1, "timeouts") == 1
+        assert any("silent" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
         # A router that comes back on the same endpoint converges again: it learns what is in
         # flight from the next snapshot, and its peers' links to it recover.
         fake.delay_s = 3.0

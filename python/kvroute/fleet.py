@@ -3,7 +3,9 @@
 A :class:`Fleet` owns the :class:`PrefixIndex` and the :class:`Scheduler`, assigns each engine a
 worker id (never reused, so a late event or release for a removed engine cannot touch a new one),
 and runs per backend a :class:`~kvroute.health.HealthMonitor` and per engine an
-:class:`~kvroute.events.EventSubscriber`. Backends can be added and removed while serving.
+:class:`~kvroute.events.EventSubscriber`. Backends can be added and removed while serving. It also
+holds the token-handoff channels (:class:`~kvroute.handoff.TokenHandoff`) and, with fan-out, the
+:class:`~kvroute.peers.PeerFanout`.
 """
 
 from __future__ import annotations

@@ -6,8 +6,11 @@ client going away. For each attempt:
 1. ``Scheduler.select_and_reserve`` (one atomic call: hash, match, score, book) picks an engine,
    excluding the ones that already failed this request. The reservation is released in a
    ``finally``: completion, upstream error, timeout, client disconnect and cancellation all end
-   there, so no reservation outlives its request.
-2. The client's body is sent unchanged (with ``X-Request-Id``, and ``X-data-parallel-rank`` for a
+   there, so no reservation outlives its request. With peer fan-out, the reservation and each
+   lifecycle step are also queued for the peer routers (:mod:`kvroute.peers`; never awaited).
+2. With the token handoff, the prompt's ids go to the engine's token channel first
+   (:mod:`kvroute.handoff`; never blocking). The client's body is sent unchanged (with
+   ``X-Request-Id``, the handoff key if one was sent, and ``X-data-parallel-rank`` for a
    backend with several DP ranks) over a pooled ``aiohttp`` session (one keep-alive pool for all
    backends; ``httpx.AsyncClient`` was measured first and its pool's per-request scans over all
    connections capped one router at about 300 requests/s with 32 connections in flight).
