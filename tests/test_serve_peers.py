@@ -162,7 +162,8 @@ def stream_in_background(r: RouterThread, out: list[Any]) -> threading.Thread:
 
 
 def test_three_routers_converge_through_a_lifecycle(tmp_path: Path, fake: FakeBackend) -> None:
-    fake.delay_s = 1.5  # the request waits this long for its first token
+    fake.delay_s = 3.0  # the request waits this long for its first token
+    fake.chunk_delay_s = 0.1  # then streams for 4 s
     mesh = Mesh(tmp_path, fake, 3, peer_secret=SECRET)
     try:
         routers = [r for r in mesh.routers if r is not None]
@@ -300,23 +301,15 @@ def test_killing_a_peer_does_not_disturb_the_others(
         assert any("silent" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
         # A router that comes back on the same endpoint converges again: it learns what is in
         # flight from the next snapshot, and its peers' links to it recover.
-        fake.delay_s = 3.0
+        fake.delay_s = 60.0  # in flight until the test ends (the mesh's shutdown cancels it)
         out: list[Any] = []
         stream_in_background(r0, out)
         wait_until(lambda: converged([r0, r1], lambda v: v[3] == 1), 5)
         victims.append(RouterProcess(mesh, gone))
-        wait_until(lambda: links(r0)[gone][0] is True, 10)
-        status = httpx.get(victims[1].base_url.removesuffix("/v1") + "/status", timeout=10).json()
-        wait_until(
-            lambda: (
-                httpx.get(victims[1].base_url.removesuffix("/v1") + "/status", timeout=10).json()["backends"][
-                    0
-                ]["active"]
-                == 1
-            ),
-            10,
-        )
-        assert status["peers"]["endpoint"] == gone
+        status_url = victims[1].base_url.removesuffix("/v1") + "/status"
+        assert httpx.get(status_url, timeout=10).json()["peers"]["endpoint"] == gone
+        wait_until(lambda: links(r0)[gone][0] is True, 15)
+        wait_until(lambda: httpx.get(status_url, timeout=10).json()["backends"][0]["active"] == 1, 15)
     finally:
         for v in victims:
             v.kill()
@@ -325,7 +318,7 @@ def test_killing_a_peer_does_not_disturb_the_others(
 
 def test_curve_peers_converge_and_strangers_are_refused(tmp_path: Path, fake: FakeBackend) -> None:
     (p0, s0), (p1, s1) = zmq.curve_keypair(), zmq.curve_keypair()
-    fake.delay_s = 1.0
+    fake.delay_s = 3.0
     mesh = Mesh(tmp_path, fake, 0)
     try:
         r0 = mesh.start(peer_curve_secret_key=s0.decode())
