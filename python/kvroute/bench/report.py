@@ -77,7 +77,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
                 f"keeps {s['hit_kept']:.0%} of one router's hit ratio, {s['mean_ttft_kept']:.0%} of its "
                 f"mean TTFT and {s['p99_ttft_kept']:.0%} of its p99"
             )
-        out.append(f"- kvroute, {where}: " + "; ".join(parts))
+        if parts:
+            out.append(f"- kvroute, {where}: " + "; ".join(parts))
     return out
 
 

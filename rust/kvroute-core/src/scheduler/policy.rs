@@ -298,7 +298,7 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     // copy of a prefix other requests keep reusing (a hot system prompt) is not waste, so the
     // charge fades with the prefix's heat.
     let pollution =
-        uncached as f64 * p.pollution_factor * p.prefill_s_per_token / (1.0 + req.prefix_heat);
+        uncached as f64 * p.pollution_factor * p.prefill_s_per_token * (-req.prefix_heat).exp();
     // The reported estimate is the policy's score: TTFT plus this charge (both in seconds).
     Breakdown {
         score: t + pollution,
