@@ -64,7 +64,7 @@ class Mesh:
             "peers_file": str(self.peers_file),
             "peer_bind": "tcp://127.0.0.1:*",
             "peer_snapshot_interval_s": 0.2,
-            "peer_timeout_s": 1.5,
+            "peer_timeout_s": 10.0,
             **changes,
         }
         self.routers: list[RouterThread | None] = []
@@ -244,6 +244,7 @@ class RouterProcess:
         line = self.proc.stdout.readline()  # "kvroute serve: OpenAI API at URL/v1"
         assert "OpenAI API at" in line, line
         self.base_url = line.rsplit(" ", 1)[1].strip()
+        self.status_url = self.base_url.removesuffix("/v1") + "/status"
         self.endpoint = peer_bind
 
     def kill(self) -> None:
@@ -265,7 +266,7 @@ def test_killing_a_peer_does_not_disturb_the_others(
     tmp_path: Path, fake: FakeBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvroute.peers")
-    mesh = Mesh(tmp_path, fake, 2)
+    mesh = Mesh(tmp_path, fake, 2, peer_timeout_s=2.0)  # short, to see a dead peer dropped
     gone = f"tcp://127.0.0.1:{free_port()}"
     victims: list[RouterProcess] = []
     try:
@@ -283,6 +284,7 @@ def test_killing_a_peer_does_not_disturb_the_others(
         threading.Thread(target=request_via_victim, daemon=True).start()
         wait_until(lambda: converged([r0, r1], lambda v: v[3] == 1), 10)
         fake.delay_s = 0.0
+        victim_id = httpx.get(victims[0].status_url, timeout=10).json()["peers"]["router_id"]
         victims[0].kill()  # no goodbye: its FINISHED never comes
         for i in range(8):
             r = (r0, r1)[i % 2]
@@ -295,11 +297,10 @@ def test_killing_a_peer_does_not_disturb_the_others(
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any(gone in w and "unreachable" in w for w in warnings), warnings
         # The dead router's reservation is dropped once it has been silent for peer_timeout_s.
-        wait_until(lambda: converged([r0, r1], lambda v: v == (0, 0, 0, 0, 0)), 5)
-        # At least the dead router timed out (on a loaded 2-core machine a live peer can also be
-        # late once and recover: that is allowed, and the rest of the test checks recovery).
-        assert peer_stat(r0, "timeouts") >= 1
-        assert peer_stat(r1, "timeouts") >= 1
+        wait_until(lambda: converged([r0, r1], lambda v: v == (0, 0, 0, 0, 0)), 10)
+        for r in (r0, r1):
+            assert peer_stat(r, "timeouts") >= 1  # more if the loaded machine stalled a live one
+            assert victim_id not in peer_stat(r, "origins")
         assert any("silent" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
         # A router that comes back on the same endpoint converges again: it learns what is in
         # flight from the next snapshot, and its peers' links to it recover.
@@ -308,7 +309,7 @@ def test_killing_a_peer_does_not_disturb_the_others(
         stream_in_background(r0, out)
         wait_until(lambda: converged([r0, r1], lambda v: v[3] == 1), 5)
         victims.append(RouterProcess(mesh, gone))
-        status_url = victims[1].base_url.removesuffix("/v1") + "/status"
+        status_url = victims[1].status_url
         assert httpx.get(status_url, timeout=10).json()["peers"]["endpoint"] == gone
         wait_until(lambda: links(r0)[gone][0] is True, 15)
         wait_until(lambda: httpx.get(status_url, timeout=10).json()["backends"][0]["active"] == 1, 15)
