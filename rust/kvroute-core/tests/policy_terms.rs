@@ -1,0 +1,166 @@
+//! The terms of kvroute's score, one at a time: attention in the prefill work, the queued work
+//! the ledger books, the pollution charge and its heat discount, and router lanes.
+use kvroute_core::scheduler::policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
+use kvroute_core::scheduler::{Candidate, Load, PolicyKind, PolicyParams, RequestInfo};
+
+fn params() -> PolicyParams {
+    PolicyParams {
+        prefill_s_per_token: 1e-5,
+        attn_s_per_token_pair: 1e-9,
+        step_s: 0.0,
+        decode_s_per_seq: 0.0,
+        pollution_factor: 0.0,
+        ..Default::default()
+    }
+}
+
+fn request(prompt: u32, heat: f64) -> RequestInfo {
+    RequestInfo {
+        prompt_tokens: prompt,
+        expected_output_tokens: 0,
+        blocks: prompt / 16,
+        block_size: 16,
+        prefix_heat: heat,
+    }
+}
+
+fn cand(worker: u64, cached_blocks: u32, queued_work: u64) -> Candidate {
+    Candidate {
+        worker,
+        gpu_blocks: cached_blocks,
+        load: Load {
+            prefill_tokens: queued_work / 2,
+            prefill_work: queued_work,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn attention_makes_long_prompts_and_long_hits_worth_more() {
+    let p = params();
+    // 1,000 new tokens after none: 1,000 + 500,500 pairs * 1e-9 / 1e-5 = 1,050 token-equivalents.
+    assert_eq!(work_tokens(&p, 1000, 0), 1050);
+    // After 10,000 cached ones they also attend to those: + 10,000,000 pairs -> +1,000.
+    assert_eq!(work_tokens(&p, 1000, 10_000), 2050);
+    let plain = PolicyParams {
+        attn_s_per_token_pair: 0.0,
+        ..p.clone()
+    };
+    assert_eq!(work_tokens(&plain, 1000, 10_000), 1000);
+    // A 32K-token prompt: the worker holding 30K of it saves more than 30K tokens of work.
+    let req = request(32_768, 0.0);
+    let hit = ttft_terms(&p, &req, &cand(0, 30_720 / 16, 0));
+    let miss = ttft_terms(&p, &req, &cand(1, 0, 0));
+    assert_eq!((hit.uncached_tokens, miss.uncached_tokens), (2048, 32_768));
+    let saved = miss.work_tokens - hit.work_tokens;
+    assert!(saved > 2 * 30_720, "{saved}");
+    // The queue is the booked work, not the raw tokens.
+    let queued = ttft_terms(&p, &req, &cand(0, 30_720 / 16, 100_000));
+    assert!((queued.est_ttft_s - hit.est_ttft_s - 1.0).abs() < 1e-9);
+    assert_eq!(queued.queued_prefill_tokens, 50_000);
+}
+
+#[test]
+fn pollution_is_charged_on_computed_tokens_and_fades_with_heat() {
+    let p = PolicyParams {
+        pollution_factor: 8.0,
+        attn_s_per_token_pair: 0.0,
+        ..params()
+    };
+    let cold = ttft_terms(&p, &request(1600, 0.0), &cand(0, 0, 0));
+    // 1,600 tokens of prefill, then 8 x 1,600 tokens charged for the cache they take.
+    assert!((cold.est_ttft_s - 9.0 * 0.016).abs() < 1e-12);
+    assert_eq!(cold.score, cold.est_ttft_s);
+    let hot = ttft_terms(&p, &request(1600, 3.0), &cand(0, 0, 0));
+    assert!((hot.est_ttft_s - (0.016 + 8.0 * 0.016 * (-3.0f64).exp())).abs() < 1e-12);
+    // A worker holding the prefix is charged only for what it computes.
+    let held = ttft_terms(&p, &request(1600, 0.0), &cand(0, 90, 0));
+    assert!((held.est_ttft_s - 9.0 * 160.0 * 1e-5).abs() < 1e-12);
+}
+
+#[test]
+fn a_private_history_stays_where_a_hot_prompt_spreads() {
+    let p = PolicyParams {
+        pollution_factor: 8.0,
+        ..params()
+    };
+    // Worker 0 holds 4,000 of 4,096 tokens but has 10,000 tokens of work queued; worker 1 is idle.
+    let cands = [cand(0, 250, 10_000), cand(1, 0, 0)];
+    let mut st = PolicyState {
+        rr: 0,
+        rng: Rng::new(0),
+        lane: 0,
+    };
+    let private = choose(
+        PolicyKind::Kvroute,
+        &p,
+        &request(4096, 0.0),
+        &cands,
+        &mut st,
+    );
+    let hot = choose(
+        PolicyKind::Kvroute,
+        &p,
+        &request(4096, 20.0),
+        &cands,
+        &mut st,
+    );
+    assert_eq!((private.0, hot.0), (0, 1));
+}
+
+#[test]
+fn router_lanes_take_the_kth_best_of_the_near_best() {
+    let p = PolicyParams {
+        peer_spread: 1.0,
+        ..params()
+    };
+    // Three idle-ish workers within one own-prefill time of each other, one far behind.
+    let cands = [
+        cand(0, 0, 100),
+        cand(1, 0, 0),
+        cand(2, 0, 200),
+        cand(3, 0, 1_000_000),
+    ];
+    let pick = |lane: u64| {
+        let mut st = PolicyState {
+            rr: 0,
+            rng: Rng::new(lane),
+            lane,
+        };
+        choose(
+            PolicyKind::Kvroute,
+            &p,
+            &request(1024, 0.0),
+            &cands,
+            &mut st,
+        )
+        .0
+    };
+    assert_eq!(
+        [pick(0), pick(1), pick(2), pick(3)],
+        [1, 0, 2, 1],
+        "lane 0 is the argmin; lanes cycle over the near-best, never the far one"
+    );
+    let off = PolicyParams {
+        peer_spread: 0.0,
+        ..p
+    };
+    let mut st = PolicyState {
+        rr: 0,
+        rng: Rng::new(0),
+        lane: 2,
+    };
+    assert_eq!(
+        choose(
+            PolicyKind::Kvroute,
+            &off,
+            &request(1024, 0.0),
+            &cands,
+            &mut st
+        )
+        .0,
+        1
+    );
+}
