@@ -334,6 +334,11 @@ class Scheduler:
         exclude: Sequence[int] = ...,
         now_ns: int | None = None,
     ) -> Decision: ...
+    def pace(self, now_ns: int | None = None) -> float:
+        """Seconds to wait before ``select_and_reserve``: 0.0 unless peer routers decide
+        concurrently (a burst), when this router takes one decision per ``peer_window_s``."""
+    def peer_concurrency(self) -> float:
+        """Expected peer decisions concurrent with one of this router's (running estimate)."""
     def prefill_done(self, reservation: int, now_ns: int | None = None) -> bool: ...
     def decode_progress(self, reservation: int, generated: int, now_ns: int | None = None) -> bool: ...
     def release(self, reservation: int, now_ns: int | None = None) -> bool:

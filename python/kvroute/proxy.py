@@ -178,6 +178,11 @@ class ProxyCall:
         sched = p.fleet.scheduler
         excluded: list[int] = []
         failure: Failure | None = None
+        # During a burst of concurrent decisions at peer routers, wait (a few ms) for this
+        # router's next decision window, so the decision sees the peers' previous ones.
+        wait = sched.pace()
+        if wait > 0.0:
+            await asyncio.sleep(wait)
         for attempt in range(p.config.max_retries + 1):
             t0 = time.perf_counter()
             try:

@@ -113,10 +113,18 @@ class _FleetCollector(Collector):
             ("expired", "Reservations that expired without a release"),
             ("remote_applied", "Peer updates that changed the ledger"),
             ("remote_ignored", "Peer updates ignored (own, duplicate, finished or unknown)"),
+            ("hedged", "Decisions hedged against concurrent peer-router decisions"),
+            ("paced", "Requests that waited for the next decision window during a burst"),
         ):
             fam = CounterMetricFamily(f"kvroute_scheduler_{key}", doc)
             fam.add_metric([], counters.get(key, 0))
             yield fam
+        conc = GaugeMetricFamily(
+            "kvroute_scheduler_peer_concurrency",
+            "Expected peer-router decisions concurrent with one of this router's",
+        )
+        conc.add_metric([], f.scheduler.peer_concurrency())
+        yield conc
         stats = f.index.stats()
         for key, doc in (
             ("entries", "Resident (block, engine) entries, any tier"),

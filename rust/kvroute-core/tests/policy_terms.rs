@@ -1,5 +1,6 @@
 //! The terms of kvroute's score, one at a time: attention in the prefill work, the queued work
-//! the ledger books, the pollution charge and its heat discount, and router lanes.
+//! the ledger books, the pollution charge and its heat discount. (The hedge against concurrent
+//! peer routers needs the scheduler's state: its tests are in `scheduler/tests.rs`.)
 use kvroute_core::scheduler::policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
 use kvroute_core::scheduler::{Candidate, Load, PolicyKind, PolicyParams, RequestInfo};
 
@@ -91,7 +92,6 @@ fn a_private_history_stays_where_a_hot_prompt_spreads() {
     let mut st = PolicyState {
         rr: 0,
         rng: Rng::new(0),
-        lane: 0,
     };
     let private = choose(
         PolicyKind::Kvroute,
@@ -110,57 +110,3 @@ fn a_private_history_stays_where_a_hot_prompt_spreads() {
     assert_eq!((private.0, hot.0), (0, 1));
 }
 
-#[test]
-fn router_lanes_take_the_kth_best_of_the_near_best() {
-    let p = PolicyParams {
-        peer_spread: 1.0,
-        ..params()
-    };
-    // Three idle-ish workers within one own-prefill time of each other, one far behind.
-    let cands = [
-        cand(0, 0, 100),
-        cand(1, 0, 0),
-        cand(2, 0, 200),
-        cand(3, 0, 1_000_000),
-    ];
-    let pick = |lane: u64| {
-        let mut st = PolicyState {
-            rr: 0,
-            rng: Rng::new(lane),
-            lane,
-        };
-        choose(
-            PolicyKind::Kvroute,
-            &p,
-            &request(1024, 0.0),
-            &cands,
-            &mut st,
-        )
-        .0
-    };
-    assert_eq!(
-        [pick(0), pick(1), pick(2), pick(3)],
-        [1, 0, 2, 1],
-        "lane 0 is the argmin; lanes cycle over the near-best, never the far one"
-    );
-    let off = PolicyParams {
-        peer_spread: 0.0,
-        ..p
-    };
-    let mut st = PolicyState {
-        rr: 0,
-        rng: Rng::new(0),
-        lane: 2,
-    };
-    assert_eq!(
-        choose(
-            PolicyKind::Kvroute,
-            &off,
-            &request(1024, 0.0),
-            &cands,
-            &mut st
-        )
-        .0,
-        1
-    );
-}

@@ -388,8 +388,24 @@ impl PyScheduler {
             ("expired", c.expired),
             ("remote_applied", c.remote_applied),
             ("remote_ignored", c.remote_ignored),
+            ("hedged", c.hedged),
+            ("paced", c.paced),
         ]
         .into_py_dict(py)
+    }
+
+    /// Seconds a request arriving now should wait before `select_and_reserve`: 0.0 unless peer
+    /// routers are deciding concurrently (a burst), when this router takes one decision per
+    /// `peer_window_s` so each sees the peers' previous ones. Books the slot.
+    #[pyo3(signature = (now_ns = None))]
+    fn pace(&self, py: Python<'_>, now_ns: Option<Nanos>) -> PyResult<f64> {
+        let now = now(py, now_ns)?;
+        Ok(self.inner.pace(now) as f64 / 1e9)
+    }
+
+    /// Expected peer decisions concurrent with one of this router's (a running estimate).
+    fn peer_concurrency(&self) -> f64 {
+        self.inner.peer_concurrency()
     }
 
     fn check_invariants(&self) -> PyResult<()> {

@@ -29,6 +29,19 @@ pub struct Load {
     pub decoding: u32,
 }
 
+impl Load {
+    /// This load with `other` added (ghost load on top of booked load).
+    pub fn plus(&self, other: &Load) -> Load {
+        Load {
+            prefill_tokens: self.prefill_tokens + other.prefill_tokens,
+            prefill_work: self.prefill_work + other.prefill_work,
+            kv_blocks: self.kv_blocks + other.kv_blocks,
+            active: self.active + other.active,
+            decoding: self.decoding + other.decoding,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Prefill,

@@ -5,6 +5,7 @@
 //! reservation and records speculative index entries under one lock, so two concurrent requests
 //! can never both see a worker as idle and both take it. Event ingestion only takes the index
 //! lock; the scheduler always takes its own lock first and the index second.
+pub mod hedge;
 pub mod ledger;
 pub mod policy;
 
@@ -16,6 +17,7 @@ use crate::hashing::block_hashes;
 use crate::index::{IndexConfig, PrefixIndex, WorkerMatch};
 use crate::{Error, Nanos, Result, WorkerId};
 pub use ledger::{Key, Ledger, Load, Phase, Reservation};
+use hedge::Hedge;
 use policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
 pub use policy::{Breakdown, Candidate, EngineMetrics, PolicyKind, PolicyParams, RequestInfo};
 
@@ -134,6 +136,10 @@ pub struct SchedulerCounters {
     pub expired: u64,
     pub remote_applied: u64,
     pub remote_ignored: u64,
+    /// Decisions hedged against concurrent peer decisions (ghosts booked).
+    pub hedged: u64,
+    /// Requests told to wait for the next decision window.
+    pub paced: u64,
 }
 
 struct State {
@@ -147,6 +153,7 @@ struct State {
     approx_matches: Vec<WorkerMatch>,
     cands: Vec<Candidate>,
     heat: Heat,
+    hedge: Hedge,
 }
 
 /// Decayed reuse counts of the deepest cached prefix requests matched, by its last block hash.
@@ -203,7 +210,6 @@ impl Scheduler {
             policy: PolicyState {
                 rr: 0,
                 rng: Rng::new(cfg.seed),
-                lane: cfg.router_id,
             },
             approx,
             next_id: 1,
@@ -212,6 +218,7 @@ impl Scheduler {
             approx_matches: Vec::new(),
             cands: Vec::new(),
             heat: Heat::default(),
+            hedge: Hedge::default(),
         };
         Ok(Scheduler {
             cfg,
@@ -306,6 +313,8 @@ impl Scheduler {
         let st = &mut *guard;
         let tomb = now.saturating_add(self.cfg.tombstone_ttl);
         st.counters.expired += st.ledger.expire(now, tomb).len() as u64;
+        let peer_window = self.peer_window();
+        st.hedge.settle(now, peer_window);
         let mut index = self.index.lock();
         index.find_matches_into(req.hashes, now, &mut st.matches);
         if let Some(a) = st.approx.as_mut() {
@@ -325,6 +334,7 @@ impl Scheduler {
             if limit > 0 && load.active >= limit {
                 continue;
             }
+            let load = load.plus(&st.hedge.ghost_load(w.id));
             let m = lookup(&st.matches, w.id);
             let a = lookup(&st.approx_matches, w.id);
             st.cands.push(Candidate {
@@ -362,13 +372,25 @@ impl Scheduler {
             block_size: self.cfg.block_size,
             prefix_heat: heat,
         };
-        let (i, score) = choose(
+        let slot = if self.hedges() {
+            self.hedge(st, &info, now, peer_window)
+        } else {
+            None
+        };
+        let (mut i, mut score) = choose(
             self.cfg.policy,
             &self.cfg.params,
             &info,
             &st.cands,
             &mut st.policy,
         );
+        // Among equally good workers, the one the peers' plan leaves to this router.
+        if let Some(j) = slot.and_then(|w| st.cands.iter().position(|c| c.worker == w)) {
+            let mine = ttft_terms(&self.cfg.params, &info, &st.cands[j]).score;
+            if j != i && mine <= score + 1e-9 {
+                (i, score) = (j, mine);
+            }
+        }
         let c = st.cands[i];
         let mut breakdown = ttft_terms(&self.cfg.params, &info, &c);
         breakdown.score = score;
@@ -384,6 +406,8 @@ impl Scheduler {
             phase: Phase::Prefill,
             expires_at: now.saturating_add(self.cfg.reservation_ttl),
         };
+        st.hedge
+            .observe(r.prefill_work, r.prefill_tokens, r.prompt_blocks);
         st.ledger.book((self.cfg.router_id, id), r);
         if let Some(k) = key {
             st.heat.bump(k, heat, now);
@@ -410,6 +434,75 @@ impl Scheduler {
             candidates: st.cands.len() as u32,
             breakdown,
         })
+    }
+
+    /// How long a request arriving now should wait before [`Self::select_and_reserve`]: zero
+    /// unless peer routers are deciding concurrently (a burst), when this router takes one
+    /// decision per `peer_window_s` so each sees the peers' previous ones (at most
+    /// `peer_pace_max_s`). The caller waits, then routes; the slot is booked by this call.
+    pub fn pace(&self, now: Nanos) -> Nanos {
+        if !self.hedges() {
+            return 0;
+        }
+        let max = (self.cfg.params.peer_pace_max_s.max(0.0) * 1e9) as Nanos;
+        if max == 0 {
+            return 0;
+        }
+        let window = self.peer_window();
+        self.state.lock().hedge.pace(self.cfg.router_id, now, window, max)
+    }
+
+    /// Expected peer decisions concurrent with one of this router's (a running estimate).
+    pub fn peer_concurrency(&self) -> f64 {
+        self.state.lock().hedge.concurrency()
+    }
+
+    fn hedges(&self) -> bool {
+        self.cfg.policy == PolicyKind::Kvroute && self.cfg.params.peer_hedge > 0.0
+    }
+
+    fn peer_window(&self) -> Nanos {
+        (self.cfg.params.peer_window_s.max(0.0) * 1e9) as Nanos
+    }
+
+    /// Plans a round against peers' concurrent decisions (see [`hedge`]) and, if it booked
+    /// ghosts, adds them to the candidates' loads; returns this router's slot in the plan.
+    fn hedge(
+        &self,
+        st: &mut State,
+        info: &RequestInfo,
+        now: Nanos,
+        window: Nanos,
+    ) -> Option<WorkerId> {
+        let p = &self.cfg.params;
+        let (tokens, work) = st.hedge.average();
+        let avg = RequestInfo {
+            prompt_tokens: tokens as u32,
+            blocks: (tokens as u32).div_ceil(info.block_size.max(1)),
+            prefix_heat: 0.0,
+            ..*info
+        };
+        let slot = st.hedge.plan(
+            self.cfg.router_id,
+            now,
+            window,
+            &st.cands,
+            p.peer_hedge,
+            |c, extra| {
+                let mut c = *c;
+                c.gpu_blocks = 0;
+                c.cpu_blocks = 0;
+                c.load.prefill_work += (extra * work) as u64;
+                c.load.prefill_tokens += (extra * tokens) as u64;
+                ttft_terms(p, &avg, &c).score
+            },
+        );
+        if slot.is_some() {
+            for c in st.cands.iter_mut() {
+                c.load = st.ledger.load(c.worker).plus(&st.hedge.ghost_load(c.worker));
+            }
+        }
+        slot
     }
 
     fn speculates(&self) -> bool {
@@ -466,6 +559,10 @@ impl Scheduler {
             | RemoteUpdate::Progress { origin, .. }
             | RemoteUpdate::Finished { origin, .. } => *origin,
         };
+        if origin != self.cfg.router_id {
+            st.hedge.heard(origin, now);
+        }
+        let window = self.peer_window();
         let applied = origin != self.cfg.router_id
             && match update {
                 RemoteUpdate::Reserve(r) => {
@@ -488,6 +585,13 @@ impl Scheduler {
                                 expires_at: now.saturating_add(ttl),
                             },
                         );
+                    if booked {
+                        let r = st.ledger.get(&(r.origin, r.id)).expect("just booked");
+                        let (work, tokens, blocks) =
+                            (r.prefill_work, r.prefill_tokens, r.prompt_blocks);
+                        st.hedge.observe(work, tokens, blocks);
+                        st.hedge.peer_reserved(origin, now, window);
+                    }
                     if booked && self.speculates() {
                         self.index.lock().speculate(
                             r.worker,
@@ -557,7 +661,12 @@ impl Scheduler {
     }
 
     pub fn counters(&self) -> SchedulerCounters {
-        self.state.lock().counters.clone()
+        let st = self.state.lock();
+        SchedulerCounters {
+            hedged: st.hedge.hedged,
+            paced: st.hedge.paced,
+            ..st.counters.clone()
+        }
     }
 
     /// Ledger consistency (tests).

@@ -85,10 +85,15 @@ pub struct PolicyParams {
     pub pollution_factor: f64,
     /// Time constant (seconds) of the prefix heat: how long a reuse of a prefix keeps counting.
     pub heat_window_s: f64,
-    /// With peer routers: pick at random among the workers whose estimate is within this
-    /// fraction of the request's own prefill time of the best, so routers deciding at the same
-    /// instant (before their fan-out arrives) do not all take the same worker. 0 = argmin.
-    pub peer_spread: f64,
+    /// With peer routers: how strongly to hedge against peers' concurrent decisions (ghost
+    /// weight multiplier, see [`super::hedge`]); 0 = off.
+    pub peer_hedge: f64,
+    /// With peer routers: a peer reservation arriving this long (seconds) after one of this
+    /// router's decisions was decided concurrently with it (about the fan-out latency).
+    pub peer_window_s: f64,
+    /// With peer routers deciding concurrently: the longest a request waits for the next
+    /// decision window (seconds, see [`super::hedge::Hedge::pace`]); 0 = never wait.
+    pub peer_pace_max_s: f64,
     // Ray Serve PrefixCacheAffinityRouter
     pub ray_imbalanced_threshold: f64,
     pub ray_match_rate_threshold: f64,
@@ -121,7 +126,9 @@ impl Default for PolicyParams {
             kv_pressure_factor: 1.0,
             pollution_factor: 8.0,
             heat_window_s: 10.0,
-            peer_spread: 0.0,
+            peer_hedge: 1.0,
+            peer_window_s: 0.005,
+            peer_pace_max_s: 0.02,
             ray_imbalanced_threshold: 10.0,
             ray_match_rate_threshold: 0.1,
             sglang_balance_abs: 64.0,
@@ -177,7 +184,9 @@ params_by_name!(
     kv_pressure_factor,
     pollution_factor,
     heat_window_s,
-    peer_spread,
+    peer_hedge,
+    peer_window_s,
+    peer_pace_max_s,
     ray_imbalanced_threshold,
     ray_match_rate_threshold,
     sglang_balance_abs,
@@ -338,8 +347,6 @@ impl Rng {
 pub struct PolicyState {
     pub rr: u64,
     pub rng: Rng,
-    /// This router's position among its peers (its router id): which near-best worker it takes.
-    pub lane: u64,
 }
 
 /// Index of the minimum of `key` over `cands`, ties broken at random.
@@ -383,7 +390,7 @@ pub fn choose(
     debug_assert!(!cands.is_empty());
     let rng = &mut st.rng;
     match kind {
-        PolicyKind::Kvroute => kvroute(p, req, cands, rng, st.lane),
+        PolicyKind::Kvroute => argmin_by(cands, rng, |c| ttft_terms(p, req, c).score),
         PolicyKind::RoundRobin => {
             let i = (st.rr % cands.len() as u64) as usize;
             st.rr += 1;
@@ -403,34 +410,6 @@ pub fn choose(
         PolicyKind::LlmDWeighted => llm_d(p, req, cands, rng),
         PolicyKind::PrebleE2 => preble(p, req, cands, rng),
     }
-}
-
-/// kvroute: the smallest estimated TTFT. With `peer_spread`, router `lane` takes the
-/// `lane`-th best (cyclically) of the workers within `peer_spread` x the request's own prefill
-/// time of the best: routers deciding at the same instant from the same state then spread over
-/// the near-best workers instead of all taking the best one.
-fn kvroute(
-    p: &PolicyParams,
-    req: &RequestInfo,
-    cands: &[Candidate],
-    rng: &mut Rng,
-    lane: u64,
-) -> (usize, f64) {
-    let (i, best) = argmin_by(cands, rng, |c| ttft_terms(p, req, c).score);
-    if p.peer_spread <= 0.0 || cands.len() < 2 || lane == 0 {
-        return (i, best);
-    }
-    let own = ttft_terms(p, req, &cands[i]).work_tokens as f64 * p.prefill_s_per_token;
-    let limit = best + p.peer_spread * own;
-    let mut near: Vec<(f64, usize)> = cands
-        .iter()
-        .enumerate()
-        .map(|(j, c)| (ttft_terms(p, req, c).score, j))
-        .filter(|(e, _)| *e <= limit)
-        .collect();
-    near.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (e, j) = near[(lane % near.len() as u64) as usize];
-    (j, e)
 }
 
 /// Ray Serve: longest match when balanced and the match rate clears the threshold, else the

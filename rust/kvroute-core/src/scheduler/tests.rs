@@ -380,3 +380,178 @@ proptest! {
         for (_, l) in s.loads() { prop_assert_eq!(l, Load::default()); }
     }
 }
+
+/// Four routers with fan-out; bursts in which every router routes `per_router` cold requests
+/// at the same instant, before any peer message can arrive. Returns, for the last burst, the
+/// workers chosen in each round (router order), and the routers' concurrency estimates.
+fn bursts(hedge: f64, bursts: u64, per_router: usize) -> (Vec<Vec<WorkerId>>, Vec<f64>) {
+    let routers: Vec<Scheduler> = (0..4)
+        .map(|r| {
+            sched(PolicyKind::Kvroute, 8, |c| {
+                c.router_id = r;
+                c.params.peer_hedge = hedge;
+            })
+        })
+        .collect();
+    let mut last = Vec::new();
+    let mut seed = 0u32;
+    for b in 0..bursts {
+        let t = NOW + b * 3 * SECOND;
+        let mut rounds = vec![Vec::new(); per_router];
+        let mut msgs = Vec::new();
+        for (j, round) in rounds.iter_mut().enumerate() {
+            for (r, s) in routers.iter().enumerate() {
+                seed += 1;
+                let toks = tokens(seed, 4096 + 512 * ((r + j) % 3));
+                let d = s.select_and_reserve_tokens(&toks, None, None, 64, &[], t).unwrap();
+                round.push(d.worker);
+                msgs.push((
+                    r,
+                    d.reservation,
+                    RemoteUpdate::Reserve(RemoteReservation {
+                        origin: r as u64,
+                        id: d.reservation,
+                        worker: d.worker,
+                        prefill_tokens: u64::from(d.prefill_tokens),
+                        prefill_work: d.breakdown.work_tokens,
+                        prompt_blocks: toks.len().div_ceil(16) as u64,
+                        hashes: vec![],
+                    }),
+                ));
+            }
+        }
+        // The fan-out arrives 1 ms later; every request finishes within the next second.
+        for (from, _, m) in &msgs {
+            for (r, s) in routers.iter().enumerate() {
+                if r != *from {
+                    s.apply_remote(m, t + SECOND / 1000).unwrap();
+                }
+            }
+        }
+        for (from, id, _) in &msgs {
+            routers[*from].release(*id, t + SECOND);
+            let fin = RemoteUpdate::Finished {
+                origin: *from as u64,
+                id: *id,
+            };
+            for s in &routers {
+                s.apply_remote(&fin, t + SECOND).unwrap();
+            }
+        }
+        last = rounds;
+    }
+    for s in &routers {
+        assert_eq!(s.reservations(), 0, "ghosts never leak into the ledger");
+        s.check_invariants().unwrap();
+    }
+    let est = routers
+        .iter()
+        .map(|s| s.state.lock().hedge.concurrency())
+        .collect();
+    (last, est)
+}
+
+fn distinct(rounds: &[Vec<WorkerId>]) -> usize {
+    let mut all: Vec<WorkerId> = rounds.iter().flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    all.len()
+}
+
+#[test]
+fn routers_deciding_at_once_tile_the_fleet_instead_of_herding() {
+    // (Decisions taken without waiting for their turn: the plan and its ghosts alone.)
+    // Without the hedge the four routers, seeing the same idle fleet, all take the same worker
+    // in each round.
+    let (herd, _) = bursts(0.0, 12, 2);
+    assert!(
+        herd.iter().all(|r| r.iter().all(|w| *w == r[0])),
+        "{herd:?}"
+    );
+    // With it, once concurrency has been observed, eight concurrent requests take eight workers.
+    let (tiled, est) = bursts(1.0, 12, 2);
+    assert_eq!(distinct(&tiled), 8, "{tiled:?}");
+    assert!(est.iter().all(|c| (5.0..=7.0).contains(c)), "{est:?}");
+}
+
+#[test]
+fn without_concurrency_the_hedge_changes_nothing() {
+    // One request per burst at one router only (peers heard from, never concurrent): every
+    // decision is the plain argmin, as with the hedge off.
+    let run = |hedge: f64| {
+        let routers: Vec<Scheduler> = (0..2)
+            .map(|r| {
+                sched(PolicyKind::Kvroute, 4, |c| {
+                    c.router_id = r;
+                    c.params.peer_hedge = hedge;
+                })
+            })
+            .collect();
+        let mut picks = Vec::new();
+        for b in 0..20u64 {
+            let t = NOW + b * SECOND;
+            let (s, peer) = (&routers[(b % 2) as usize], &routers[1 - (b % 2) as usize]);
+            let d = s
+                .select_and_reserve_tokens(&tokens(b as u32, 2048), None, None, 16, &[], t)
+                .unwrap();
+            picks.push(d.worker);
+            assert_eq!(s.pace(t + 1), 0, "steady traffic never waits");
+            // Delivered 100 ms later: well outside the window; finished much later.
+            peer.apply_remote(&remote(b % 2, d.reservation, d.worker), t + SECOND / 10)
+                .unwrap();
+        }
+        let hedged = routers.iter().map(|s| s.state.lock().hedge.hedged).sum::<u64>();
+        (picks, hedged)
+    };
+    let (off, _) = run(0.0);
+    let (on, hedged) = run(1.0);
+    assert_eq!(on, off);
+    assert_eq!(hedged, 0);
+}
+
+#[test]
+fn a_burst_is_paced_one_decision_per_window_and_steady_traffic_never_waits() {
+    let ms = SECOND / 1000;
+    // Bursts at four routers teach router 0 that its peers decide concurrently.
+    let routers: Vec<Scheduler> = (0..4)
+        .map(|r| sched(PolicyKind::Kvroute, 8, |c| c.router_id = r))
+        .collect();
+    let s = &routers[0];
+    assert_eq!(s.pace(NOW), 0, "no peers yet");
+    for b in 0..12u64 {
+        let t = NOW + b * 3 * SECOND;
+        let mut msgs = Vec::new();
+        for (r, x) in routers.iter().enumerate() {
+            let d = x
+                .select_and_reserve_tokens(&tokens(b as u32 * 4 + r as u32, 2048), None, None, 8, &[], t)
+                .unwrap();
+            msgs.push(remote(r as u64, d.reservation, d.worker));
+        }
+        for (r, x) in routers.iter().enumerate() {
+            for (from, m) in msgs.iter().enumerate() {
+                if from != r {
+                    x.apply_remote(m, t + ms).unwrap();
+                }
+            }
+        }
+    }
+    assert!(s.peer_concurrency() > 2.0, "{}", s.peer_concurrency());
+    // A burst of six requests at one instant: one decision per 5 ms window, none waiting more
+    // than 20 ms; past that the request is decided at once.
+    let t = NOW + 40 * SECOND;
+    let waits: Vec<Nanos> = (0..6).map(|_| s.pace(t) / ms).collect();
+    assert_eq!(waits, [0, 5, 10, 15, 20, 0]);
+    assert_eq!(s.counters().paced, 4);
+    // Routers take turns: the burst's first decision at the router of rank k of 4 waits k/4 of
+    // a window, after the fan-out of the earlier ranks' decisions.
+    let us = SECOND / 1_000_000;
+    let first: Vec<Nanos> = routers.iter().map(|x| x.pace(t) / us).collect();
+    assert_eq!(first[1..], [1250, 2500, 3750]);
+    // With pacing off (`peer_pace_max_s` 0) nothing waits.
+    let off = sched(PolicyKind::Kvroute, 8, |c| {
+        c.router_id = 9;
+        c.params.peer_pace_max_s = 0.0;
+    });
+    off.apply_remote(&remote(1, 1, 0), NOW).unwrap();
+    assert_eq!(off.pace(NOW), 0);
+}

@@ -96,6 +96,13 @@ pub struct Cluster {
     /// Peer messages in flight: (delivery time, sending router, update).
     peer_queue: VecDeque<(f64, u32, RemoteUpdate)>,
     routers: Vec<Router>,
+    /// Requests waiting for their router's next decision window (see [`Scheduler::pace`]):
+    /// (decision time, router, request, expected output), in time order.
+    deferred: VecDeque<(f64, u32, NewRequest, u32)>,
+    /// The first error of a deferred decision (surfaced by [`Cluster::take_error`]).
+    error: Option<crate::Error>,
+    /// Requests routed to each replica.
+    pub routed_per_replica: Vec<u64>,
     /// Per request tag, its router and reservation there while in flight.
     routed: Vec<Option<(u32, u64)>>,
     arrivals: u64,
@@ -150,6 +157,9 @@ impl Cluster {
             kv_queue: VecDeque::new(),
             peer_queue: VecDeque::new(),
             routers,
+            deferred: VecDeque::new(),
+            error: None,
+            routed_per_replica: vec![0; cfg.replicas],
             routed: Vec::new(),
             arrivals: 0,
             block_size: cfg.engine.block_size,
@@ -176,12 +186,41 @@ impl Cluster {
         self.routers.iter().map(|r| &r.scheduler)
     }
 
-    /// Routes a request arriving at `now` through the next router and queues it on the chosen
-    /// engine; returns the worker. The request's `tag` must be unique (it keys the bookkeeping).
-    pub fn submit(&mut self, now: f64, req: NewRequest, expected_output: u32) -> Result<WorkerId> {
+    /// A request arriving at `now` goes to the next router, which routes it and queues it on the
+    /// chosen engine at once (returns the worker) or, pacing a burst of concurrent peer
+    /// decisions, a few milliseconds later (returns `None`). The request's `tag` must be unique
+    /// (it keys the bookkeeping).
+    pub fn submit(
+        &mut self,
+        now: f64,
+        req: NewRequest,
+        expected_output: u32,
+    ) -> Result<Option<WorkerId>> {
         self.deliver(now);
         let r = (self.arrivals % self.routers.len() as u64) as u32;
         self.arrivals += 1;
+        let wait = self.routers[r as usize].scheduler.pace(nanos(now));
+        if wait > 0 {
+            let at = now + wait as f64 / 1e9;
+            let i = self.deferred.partition_point(|(t, ..)| *t <= at);
+            self.deferred.insert(i, (at, r, req, expected_output));
+            return Ok(None);
+        }
+        self.route(r, now, req, expected_output).map(Some)
+    }
+
+    /// An error a deferred decision met, if any (the replay stops on it).
+    pub fn take_error(&mut self) -> Option<crate::Error> {
+        self.error.take()
+    }
+
+    fn route(
+        &mut self,
+        r: u32,
+        now: f64,
+        req: NewRequest,
+        expected_output: u32,
+    ) -> Result<WorkerId> {
         let hashes = block_hashes(
             &req.prompt,
             self.block_size,
@@ -220,6 +259,7 @@ impl Cluster {
             });
             self.peer_queue.push_back((now + delay, r, msg));
         }
+        self.routed_per_replica[w] += 1;
         if !self.busy[w] {
             self.start_step(w, now);
         }
@@ -231,7 +271,11 @@ impl Cluster {
         let wake = self.wakeups.peek().map(|Reverse((t, _))| t.0);
         let kv = self.kv_queue.front().map(|(t, _, _)| *t);
         let peer = self.peer_queue.front().map(|(t, _, _)| *t);
-        [wake, kv, peer].into_iter().flatten().reduce(f64::min)
+        let deferred = self.deferred.front().map(|(t, ..)| *t);
+        [wake, kv, peer, deferred]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
     }
 
     /// Processes everything that happens up to and including `until`, in time order (at equal
@@ -242,6 +286,13 @@ impl Cluster {
             if due(self.kv_queue.front().map(|x| x.0)) || due(self.peer_queue.front().map(|x| x.0))
             {
                 self.deliver(t);
+                continue;
+            }
+            if self.deferred.front().is_some_and(|(k, ..)| *k <= t) {
+                let (_, r, req, out) = self.deferred.pop_front().expect("checked");
+                if let Err(e) = self.route(r, t, req, out) {
+                    self.error.get_or_insert(e);
+                }
                 continue;
             }
             let Some(Reverse((_, w))) = self.wakeups.pop() else {

@@ -289,7 +289,6 @@ pub fn replay_workload(
     };
     let n = w.records.len();
     let mut tl = vec![blank; n];
-    let mut per_replica = vec![0u64; cfg.replicas];
     let stopped = || Error::InvalidArgument("replay stopped by its progress callback".into());
     for (i, rec) in w.records.iter().enumerate() {
         let now = times[i];
@@ -307,13 +306,23 @@ pub fn replay_workload(
             eos_token_id: None,
         };
         tl[i].arrival = now;
-        let w = cluster.submit(now, req, rec.output_length as u32)?;
-        per_replica[w as usize] += 1;
+        cluster.submit(now, req, rec.output_length as u32)?;
         if i % 512 == 511 && !progress(i + 1, n) {
             return Err(stopped());
         }
     }
     cluster.run_until(f64::INFINITY, &mut |_, o, t| record(&mut tl, o, t));
+    if let Some(e) = cluster.take_error() {
+        return Err(e);
+    }
+    let per_replica = cluster.routed_per_replica.clone();
+    if let Ok(path) = std::env::var("KVROUTE_DUMP_DEBUG") {
+        use std::io::Write;
+        let mut f = std::fs::File::create(path).unwrap();
+        for (i, t) in tl.iter().enumerate() {
+            writeln!(f, "{},{},{},{},{}", i, t.arrival, t.first - t.arrival, 0, w.records[i].input_length).unwrap();
+        }
+    }
     if !progress(n, n) {
         return Err(stopped());
     }
