@@ -162,3 +162,37 @@ def test_vllm_block_hashes_match_the_published_vectors() -> None:
     ]
     with pytest.raises(kvroute.InvalidArgumentError):
         kvroute.vllm_block_hashes(toks, 16, "md5")
+
+
+def test_bursts_at_peer_routers_make_the_router_take_turns() -> None:
+    """Peer reservations arriving right after each of this router's decisions teach it that the
+    routers decide concurrently; a burst's later requests then wait for the next window, and the
+    wait shows in the counters and the concurrency gauge. Steady traffic never waits."""
+    ms = 1_000_000
+    s = make(router_id=1, workers=4)
+    assert s.pace(now_ns=NOW) == 0.0, "no peers: never waits"
+    for b in range(12):
+        t = NOW + b * 3_000 * ms
+        d = s.select_and_reserve(prompt(b), now_ns=t)
+        for peer in (2, 3):
+            assert s.apply_remote_reserve(peer, b, b % 4, 320, 20, now_ns=t + ms)
+        s.release(d.reservation, now_ns=t + 500 * ms)
+        for peer in (2, 3):
+            s.apply_remote_finished(peer, b, now_ns=t + 500 * ms)
+    assert s.peer_concurrency() > 1.0
+    t = NOW + 40_000 * ms
+    # Rank 0 of three routers (ids 1, 2, 3): its first decision goes at once, then one per 5 ms.
+    assert [round(s.pace(now_ns=t) * 1e3, 3) for _ in range(3)] == [0.0, 5.0, 10.0]
+    c = s.counters()
+    # The warm-up's decisions, taken without a turn once concurrency was known, were hedged.
+    assert c["paced"] == 2 and c["hedged"] > 0
+    assert s.reservations() == 0
+
+    quiet = make(router_id=1, workers=4)
+    for b in range(12):
+        t = NOW + b * 3_000 * ms
+        quiet.select_and_reserve(prompt(b), now_ns=t)
+        # Peer decisions 1 s apart from this router's: never concurrent.
+        quiet.apply_remote_reserve(2, b, 0, 320, 20, now_ns=t + 1_000 * ms)
+    assert quiet.peer_concurrency() < 0.1
+    assert quiet.pace(now_ns=NOW + 40_000 * ms) == 0.0

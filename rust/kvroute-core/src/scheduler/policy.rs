@@ -124,7 +124,7 @@ impl Default for PolicyParams {
             attn_s_per_token_pair: 1.2e-9,
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
-            pollution_factor: 8.0,
+            pollution_factor: 12.0,
             heat_window_s: 10.0,
             peer_hedge: 1.0,
             peer_window_s: 0.005,
