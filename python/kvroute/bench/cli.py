@@ -7,32 +7,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvroute import GENERATORS, POLICIES, POLICY_PARAMS, SIM_PRESETS
 from kvroute.bench import dynamo, live, replay, report
 from kvroute.bench.progress import Progress
 
+N = TypeVar("N", int, float)
+
+
+def _positive(text: str, kind: Callable[[str], N], what: str) -> tuple[N, ...]:
+    """Comma-separated positive values of one type (argparse ``type=``)."""
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from e
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive {what}, got {text!r}")
+    return values
+
 
 def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+    return _positive(text, float, "numbers")
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+    return _positive(text, int, "integers")
 
 
 def _policies(text: str) -> tuple[str, ...]:

@@ -109,4 +109,3 @@ fn a_private_history_stays_where_a_hot_prompt_spreads() {
     );
     assert_eq!((private.0, hot.0), (0, 1));
 }
-

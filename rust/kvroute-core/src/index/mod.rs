@@ -16,7 +16,7 @@ use crate::events::{
     decode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, SpecKind,
 };
 use crate::hashing::{chain_hash, root_hash};
-use crate::{Error, EventError, Nanos, Result, WorkerId};
+use crate::{Error, Nanos, Result, WorkerId};
 use tree::{NodeId, Op, Tree, ROOT};
 
 /// Workers one index can track at once (slots are u16).
@@ -619,9 +619,4 @@ impl PrefixIndex {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.tree.check_invariants()
     }
-}
-
-/// Decodes a payload without applying it (validation, tests).
-pub fn validate_payload(payload: &[u8]) -> std::result::Result<EventBatch, EventError> {
-    decode_batch(payload)
 }

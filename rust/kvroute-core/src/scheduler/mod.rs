@@ -16,8 +16,8 @@ use parking_lot::Mutex;
 use crate::hashing::block_hashes;
 use crate::index::{IndexConfig, PrefixIndex, WorkerMatch};
 use crate::{Error, Nanos, Result, WorkerId};
-pub use ledger::{Key, Ledger, Load, Phase, Reservation};
 use hedge::Hedge;
+pub use ledger::{Key, Ledger, Load, Phase, Reservation};
 use policy::{choose, ttft_terms, work_tokens, PolicyState, Rng};
 pub use policy::{Breakdown, Candidate, EngineMetrics, PolicyKind, PolicyParams, RequestInfo};
 
@@ -449,7 +449,10 @@ impl Scheduler {
             return 0;
         }
         let window = self.peer_window();
-        self.state.lock().hedge.pace(self.cfg.router_id, now, window, max)
+        self.state
+            .lock()
+            .hedge
+            .pace(self.cfg.router_id, now, window, max)
     }
 
     /// Expected peer decisions concurrent with one of this router's (a running estimate).
@@ -499,7 +502,10 @@ impl Scheduler {
         );
         if slot.is_some() {
             for c in st.cands.iter_mut() {
-                c.load = st.ledger.load(c.worker).plus(&st.hedge.ghost_load(c.worker));
+                c.load = st
+                    .ledger
+                    .load(c.worker)
+                    .plus(&st.hedge.ghost_load(c.worker));
             }
         }
         slot

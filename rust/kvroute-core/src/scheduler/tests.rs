@@ -403,7 +403,9 @@ fn bursts(hedge: f64, bursts: u64, per_router: usize) -> (Vec<Vec<WorkerId>>, Ve
             for (r, s) in routers.iter().enumerate() {
                 seed += 1;
                 let toks = tokens(seed, 4096 + 512 * ((r + j) % 3));
-                let d = s.select_and_reserve_tokens(&toks, None, None, 64, &[], t).unwrap();
+                let d = s
+                    .select_and_reserve_tokens(&toks, None, None, 64, &[], t)
+                    .unwrap();
                 round.push(d.worker);
                 msgs.push((
                     r,
@@ -500,7 +502,10 @@ fn without_concurrency_the_hedge_changes_nothing() {
             peer.apply_remote(&remote(b % 2, d.reservation, d.worker), t + SECOND / 10)
                 .unwrap();
         }
-        let hedged = routers.iter().map(|s| s.state.lock().hedge.hedged).sum::<u64>();
+        let hedged = routers
+            .iter()
+            .map(|s| s.state.lock().hedge.hedged)
+            .sum::<u64>();
         (picks, hedged)
     };
     let (off, _) = run(0.0);
@@ -523,7 +528,14 @@ fn a_burst_is_paced_one_decision_per_window_and_steady_traffic_never_waits() {
         let mut msgs = Vec::new();
         for (r, x) in routers.iter().enumerate() {
             let d = x
-                .select_and_reserve_tokens(&tokens(b as u32 * 4 + r as u32, 2048), None, None, 8, &[], t)
+                .select_and_reserve_tokens(
+                    &tokens(b as u32 * 4 + r as u32, 2048),
+                    None,
+                    None,
+                    8,
+                    &[],
+                    t,
+                )
                 .unwrap();
             msgs.push(remote(r as u64, d.reservation, d.worker));
         }

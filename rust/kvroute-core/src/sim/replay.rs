@@ -320,7 +320,16 @@ pub fn replay_workload(
         use std::io::Write;
         let mut f = std::fs::File::create(path).unwrap();
         for (i, t) in tl.iter().enumerate() {
-            writeln!(f, "{},{},{},{},{}", i, t.arrival, t.first - t.arrival, 0, w.records[i].input_length).unwrap();
+            writeln!(
+                f,
+                "{},{},{},{},{}",
+                i,
+                t.arrival,
+                t.first - t.arrival,
+                0,
+                w.records[i].input_length
+            )
+            .unwrap();
         }
     }
     if !progress(n, n) {
