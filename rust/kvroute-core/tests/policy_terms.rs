@@ -82,6 +82,36 @@ fn pollution_is_charged_on_computed_tokens_and_fades_with_heat() {
 }
 
 #[test]
+fn pollution_counts_only_the_tokens_that_evict_and_compute_counts_them_all() {
+    let p = PolicyParams {
+        pollution_factor: 8.0,
+        attn_s_per_token_pair: 0.0,
+        ..params()
+    };
+    let req = request(1600, 0.0); // 100 blocks to compute
+    let with = |resident: u64| Candidate {
+        capacity_blocks: 1000,
+        resident_blocks: resident,
+        ..cand(0, 0, 0)
+    };
+    let charge = |c: &Candidate, p: &PolicyParams| ttft_terms(p, &req, c).est_ttft_s - 0.016;
+    // Room for all 100 blocks: nothing evicted, nothing charged.
+    assert!(charge(&with(900), &p).abs() < 1e-12);
+    // 40 of them push cached blocks out: 8 x 640 tokens.
+    assert!((charge(&with(940), &p) - 8.0 * 640.0 * 1e-5).abs() < 1e-12);
+    // A full cache: all 1,600; an unknown capacity is charged as full.
+    assert!((charge(&with(1000), &p) - 8.0 * 0.016).abs() < 1e-12);
+    assert!((charge(&cand(0, 0, 0), &p) - 8.0 * 0.016).abs() < 1e-12);
+    // The compute charge applies with room or without.
+    let compute = PolicyParams {
+        pollution_factor: 0.0,
+        compute_factor: 2.0,
+        ..p.clone()
+    };
+    assert!((charge(&with(0), &compute) - 2.0 * 0.016).abs() < 1e-12);
+}
+
+#[test]
 fn a_private_history_stays_where_a_hot_prompt_spreads() {
     let p = PolicyParams {
         pollution_factor: 8.0,

@@ -343,6 +343,7 @@ impl Scheduler {
                 cpu_blocks: m.map_or(0, |m| m.cpu),
                 approx_blocks: a.map_or(0, |m| m.gpu + m.cpu),
                 approx_entries: st.approx.as_ref().map_or(0, |x| x.worker_entries(w.id)),
+                resident_blocks: index.worker_entries(w.id),
                 load,
                 capacity_blocks: w.capacity_blocks,
                 metrics: w.metrics,

@@ -81,8 +81,12 @@ pub struct PolicyParams {
     pub cpu_load_s_per_token: f64,
     /// How many times its recompute cost a token pushed out by KV-memory overflow is charged.
     pub kv_pressure_factor: f64,
-    /// Fraction of the uncached prompt charged as future cache pollution (eviction of others).
+    /// How many times its prefill time each computed token that evicts cached blocks is charged
+    /// as cache pollution (the hits later requests lose).
     pub pollution_factor: f64,
+    /// How many times its prefill time each computed token is charged for the compute it takes
+    /// from the fleet (work later requests queue behind), evicting or not.
+    pub compute_factor: f64,
     /// Time constant (seconds) of the prefix heat: how long a reuse of a prefix keeps counting.
     pub heat_window_s: f64,
     /// With peer routers: how strongly to hedge against peers' concurrent decisions (ghost
@@ -124,7 +128,8 @@ impl Default for PolicyParams {
             attn_s_per_token_pair: 1.2e-9,
             cpu_load_s_per_token: 5.0e-6,
             kv_pressure_factor: 1.0,
-            pollution_factor: 12.0,
+            pollution_factor: 13.0,
+            compute_factor: 0.0,
             heat_window_s: 10.0,
             peer_hedge: 1.0,
             peer_window_s: 0.005,
@@ -183,6 +188,7 @@ params_by_name!(
     cpu_load_s_per_token,
     kv_pressure_factor,
     pollution_factor,
+    compute_factor,
     heat_window_s,
     peer_hedge,
     peer_window_s,
@@ -222,6 +228,9 @@ pub struct Candidate {
     pub approx_blocks: u32,
     /// Entries of this worker in the approximate tree (Ray's "smallest tree").
     pub approx_entries: u64,
+    /// Blocks the exact index holds for this worker (any tier, speculative included): how full
+    /// its cache is.
+    pub resident_blocks: u64,
     pub load: Load,
     /// KV capacity in blocks (0 = unknown).
     pub capacity_blocks: u32,
@@ -306,8 +315,17 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     // Not time this request waits: the cache its computed tokens take from later requests. A
     // copy of a prefix other requests keep reusing (a hot system prompt) is not waste, so the
     // charge fades with the prefix's heat.
-    let pollution =
-        uncached as f64 * p.pollution_factor * p.prefill_s_per_token * (-req.prefix_heat).exp();
+    // Only the tokens that push cached blocks out pollute: none while the cache has room.
+    let evicting = if c.capacity_blocks > 0 {
+        let over = (c.resident_blocks + uncached.div_ceil(bs))
+            .saturating_sub(u64::from(c.capacity_blocks));
+        uncached.min(over * bs)
+    } else {
+        uncached
+    };
+    let pollution = (evicting as f64 * p.pollution_factor + uncached as f64 * p.compute_factor)
+        * p.prefill_s_per_token
+        * (-req.prefix_heat).exp();
     // The reported estimate is the policy's score: TTFT plus this charge (both in seconds).
     Breakdown {
         score: t + pollution,
