@@ -3,8 +3,8 @@
 //! exactly what vLLM reported.
 use std::path::PathBuf;
 
-use kvroute_core::hashing::block_hashes;
 use kvroute_core::events::decode_batch;
+use kvroute_core::hashing::block_hashes;
 use kvroute_core::index::PrefixIndex;
 use serde_json::Value;
 

@@ -258,3 +258,49 @@ fn routers_deciding_a_burst_together_keep_one_routers_quality_only_when_hedging(
     );
     assert!(hedged.gpu_hit_ratio > 0.95 * one.gpu_hit_ratio);
 }
+
+/// A burst larger than the turns can absorb (64 requests at one instant, 16 per router, on one
+/// new prefix; the turns take 5 of each router's 16): the rest are decided at once against the
+/// shared plan, and the fleet is split as evenly as by one router.
+#[test]
+fn a_burst_beyond_the_turns_is_split_as_by_one_router() {
+    use kvroute_core::sim::trace::TraceRecord;
+    let mut records = Vec::new();
+    let mut id = 0u64;
+    for b in 0..5u64 {
+        let prefix: Vec<u64> = (0..8).map(|i| 1_000_000 + b * 100 + i).collect();
+        for _ in 0..64 {
+            id += 1;
+            let mut hash_ids = prefix.clone();
+            hash_ids.push(id);
+            records.push(TraceRecord {
+                timestamp_ms: b as f64 * 20_000.0,
+                input_length: 9 * 512,
+                output_length: 32,
+                hash_ids,
+            });
+        }
+    }
+    let w = Workload {
+        name: "burst".into(),
+        block_tokens: 512,
+        records,
+    };
+    let one = run(&w, &cfg("kvroute"));
+    let four = run(
+        &w,
+        &ReplayConfig {
+            routers: 4,
+            fanout_delay_s: Some(0.001),
+            ..cfg("kvroute")
+        },
+    );
+    assert_eq!(one.requests_per_replica, [80, 80, 80, 80]);
+    assert_eq!(four.requests_per_replica, one.requests_per_replica);
+    assert!(
+        four.p99_ttft_ms < 1.05 * one.p99_ttft_ms,
+        "{} vs {}",
+        four.p99_ttft_ms,
+        one.p99_ttft_ms
+    );
+}

@@ -236,8 +236,11 @@ impl Hedge {
         mut cost: impl FnMut(&Candidate, f64) -> f64,
     ) -> Option<WorkerId> {
         self.own.push_back((now, 0));
-        // A decision in its turn sees every earlier one of the burst: nothing to hedge.
-        if self.takes_turn(now, window) || self.avg_work <= 0.0 || cands.len() < 2 {
+        // A decision in its turn sees every earlier one of the burst: it books no ghosts, but it
+        // takes its round of the plan (and its slot on ties), so that a burst larger than the
+        // turns keeps every router's rounds in step.
+        let turn = self.takes_turn(now, window);
+        if self.avg_work <= 0.0 || cands.len() < 2 {
             return None;
         }
         let routers = self.routers(me, now);
@@ -274,7 +277,7 @@ impl Hedge {
             self.planned[best.1] += 1.0;
             if origin == me {
                 mine = Some(self.base[best.1].worker);
-            } else {
+            } else if !turn {
                 self.ghosts.push(Ghost {
                     origin,
                     worker: self.base[best.1].worker,
@@ -283,7 +286,7 @@ impl Hedge {
                 });
             }
         }
-        self.hedged += 1;
+        self.hedged += u64::from(!turn);
         mine
     }
 

@@ -385,9 +385,18 @@ proptest! {
 /// at the same instant, before any peer message can arrive. Returns, for the last burst, the
 /// workers chosen in each round (router order), and the routers' concurrency estimates.
 fn bursts(hedge: f64, bursts: u64, per_router: usize) -> (Vec<Vec<WorkerId>>, Vec<f64>) {
+    bursts_on(8, hedge, bursts, per_router)
+}
+
+fn bursts_on(
+    workers: u64,
+    hedge: f64,
+    bursts: u64,
+    per_router: usize,
+) -> (Vec<Vec<WorkerId>>, Vec<f64>) {
     let routers: Vec<Scheduler> = (0..4)
         .map(|r| {
-            sched(PolicyKind::Kvroute, 8, |c| {
+            sched(PolicyKind::Kvroute, workers, |c| {
                 c.router_id = r;
                 c.params.peer_hedge = hedge;
             })
@@ -566,4 +575,16 @@ fn a_burst_is_paced_one_decision_per_window_and_steady_traffic_never_waits() {
     });
     off.apply_remote(&remote(1, 1, 0), NOW).unwrap();
     assert_eq!(off.pace(NOW), 0);
+}
+
+#[test]
+fn a_long_burst_of_equal_requests_is_tiled_evenly() {
+    for hedge in [0.0, 1.0] {
+        let (rounds, _) = bursts_on(4, hedge, 6, 16);
+        let mut count = [0; 4];
+        for w in rounds.iter().flatten() {
+            count[*w as usize] += 1;
+        }
+        assert_eq!(count, [16; 4], "hedge {hedge}");
+    }
 }
