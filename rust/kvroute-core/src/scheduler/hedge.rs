@@ -64,7 +64,10 @@ pub struct Hedge {
     avg_blocks: f64,
     /// The earliest time of this router's next paced decision, and the turns granted.
     next_slot: Nanos,
-    granted: VecDeque<Nanos>,
+    /// (turn time, start of its round) for every turn granted and not yet taken.
+    granted: VecDeque<(Nanos, Nanos)>,
+    /// When each peer's last reservation arrived.
+    reserved_at: Vec<(u64, Nanos)>,
     /// Decisions taken with ghosts booked.
     pub hedged: u64,
     /// Decisions deferred to a later window.
@@ -98,10 +101,11 @@ impl Hedge {
         if window == 0 || self.expectation(now) < MIN_WEIGHT {
             return 0;
         }
+        let routers = self.routers(me, now);
+        let rank = routers.iter().position(|&r| r == me).unwrap_or(0) as u64;
+        let offset = rank * window / routers.len() as u64;
         let at = if now >= self.next_slot {
-            let routers = self.routers(me, now);
-            let rank = routers.iter().position(|&r| r == me).unwrap_or(0) as u64;
-            now.saturating_add(rank * window / routers.len() as u64)
+            now.saturating_add(offset)
         } else {
             self.next_slot
         };
@@ -111,8 +115,8 @@ impl Hedge {
         }
         self.next_slot = at.saturating_add(window);
         self.paced += u64::from(wait > 0);
-        let i = self.granted.partition_point(|&g| g <= at);
-        self.granted.insert(i, at);
+        let i = self.granted.partition_point(|&(g, _)| g <= at);
+        self.granted.insert(i, (at, at.saturating_sub(offset)));
         wait
     }
 
@@ -129,20 +133,27 @@ impl Hedge {
         routers
     }
 
-    /// Whether a decision at `now` takes its turn granted by [`Self::pace`] (consumes it).
-    fn takes_turn(&mut self, now: Nanos, window: Nanos) -> bool {
+    /// Whether a decision at `now` takes a turn granted by [`Self::pace`] (consumes it): the
+    /// start of the turn's round if so.
+    fn takes_turn(&mut self, now: Nanos, window: Nanos) -> Option<Nanos> {
         while self
             .granted
             .front()
-            .is_some_and(|&g| g.saturating_add(window) < now)
+            .is_some_and(|&(g, _)| g.saturating_add(window) < now)
         {
             self.granted.pop_front();
         }
-        if self.granted.front().is_some_and(|&g| g <= now) {
-            self.granted.pop_front();
-            return true;
+        if self.granted.front().is_some_and(|&(g, _)| g <= now) {
+            return self.granted.pop_front().map(|(_, start)| start);
         }
-        false
+        None
+    }
+
+    /// Whether peer `origin` has reported a reservation since `since`.
+    fn reported_since(&self, origin: u64, since: Nanos) -> bool {
+        self.reserved_at
+            .iter()
+            .any(|&(o, t)| o == origin && t >= since)
     }
 
     /// Active peer routers (heard from in the last 30 s).
@@ -173,6 +184,10 @@ impl Hedge {
     /// last `window` (they could not see each other), and it replaces that peer's oldest ghost.
     pub fn peer_reserved(&mut self, origin: u64, now: Nanos, window: Nanos) {
         self.heard(origin, now);
+        match self.reserved_at.iter_mut().find(|(o, _)| *o == origin) {
+            Some(p) => p.1 = p.1.max(now),
+            None => self.reserved_at.push((origin, now)),
+        }
         for (t, n) in self.own.iter_mut() {
             if *t < now && now - *t <= window {
                 *n += 1;
@@ -236,9 +251,10 @@ impl Hedge {
         mut cost: impl FnMut(&Candidate, f64) -> f64,
     ) -> Option<WorkerId> {
         self.own.push_back((now, 0));
-        // A decision in its turn sees every earlier one of the burst: it books no ghosts, but it
-        // takes its round of the plan (and its slot on ties), so that a burst larger than the
-        // turns keeps every router's rounds in step.
+        // A decision in its turn sees the earlier ones of the burst (when the fan-out is faster
+        // than a turn): it hedges only against those not arrived yet, and it takes its round of
+        // the plan (and its slot on ties), so a burst larger than the turns keeps every router's
+        // rounds in step.
         let turn = self.takes_turn(now, window);
         if self.avg_work <= 0.0 || cands.len() < 2 {
             return None;
@@ -265,8 +281,9 @@ impl Hedge {
             return None;
         }
         let weight = if self.round == 0 { expect } else { 1.0 };
+        let me_rank = routers.iter().position(|&r| r == me).unwrap_or(0);
         let mut mine = None;
-        for &origin in &routers {
+        for (rank, &origin) in routers.iter().enumerate() {
             let mut best = (f64::INFINITY, 0usize);
             for (i, c) in self.base.iter().enumerate() {
                 let k = cost(c, self.planned[i]);
@@ -277,7 +294,13 @@ impl Hedge {
             self.planned[best.1] += 1.0;
             if origin == me {
                 mine = Some(self.base[best.1].worker);
-            } else if !turn {
+            } else if match turn {
+                // In its turn a decision waits only for the earlier turns of the round: a peer
+                // among them whose reservation has not arrived yet (a fan-out slower than a
+                // turn) is hedged; the later ones will see this decision.
+                Some(start) => rank < me_rank && !self.reported_since(origin, start),
+                None => true,
+            } {
                 self.ghosts.push(Ghost {
                     origin,
                     worker: self.base[best.1].worker,
@@ -286,7 +309,7 @@ impl Hedge {
                 });
             }
         }
-        self.hedged += u64::from(!turn);
+        self.hedged += u64::from(turn.is_none());
         mine
     }
 
