@@ -281,8 +281,12 @@ def run(fanout: bool, args: argparse.Namespace) -> dict[str, object]:
             if b >= 0:
                 ttfts += ttfts_b
                 per_burst.append({"requests": reqs, "peak_queue": top, "computed_tokens": computed})
+        routers = router_figures(router_ports) if fanout else {}
+        if routers:
+            print(f"  routers: {routers}", flush=True)
         return {
             "fanout": fanout,
+            "routers": routers,
             "bursts": per_burst,
             "max_min_requests": [max(x["requests"]) / max(min(x["requests"]), 1) for x in per_burst],
             "max_min_peak_queue": [max(x["peak_queue"]) / max(min(x["peak_queue"]), 1) for x in per_burst],
@@ -295,6 +299,28 @@ def run(fanout: bool, args: argparse.Namespace) -> dict[str, object]:
         for p in procs:
             with contextlib.suppress(Exception):
                 stop(p)
+
+
+def router_figures(router_ports: list[int]) -> dict[str, object]:
+    """The routers' own view of the bursts: fan-out latency (median over routers of their p50 and
+    p99) and how many decisions took turns (paced) or booked ghosts (hedged)."""
+    lat: dict[str, list[float]] = {"0.5": [], "0.99": []}
+    paced = hedged = 0
+    for port in router_ports:
+        for line in get(f"http://{HOST}:{port}/metrics").splitlines():
+            for q in lat:
+                if line.startswith(f'kvroute_peer_batch_latency_seconds{{quantile="{q}"}}'):
+                    lat[q].append(float(line.split()[-1]))
+            if line.startswith("kvroute_scheduler_paced_total"):
+                paced += int(float(line.split()[-1]))
+            if line.startswith("kvroute_scheduler_hedged_total"):
+                hedged += int(float(line.split()[-1]))
+    return {
+        "fanout_latency_p50_ms": 1e3 * pct(lat["0.5"], 0.5) if lat["0.5"] else None,
+        "fanout_latency_p99_ms": 1e3 * pct(lat["0.99"], 0.5) if lat["0.99"] else None,
+        "paced": paced,
+        "hedged": hedged,
+    }
 
 
 def fmt(xs: object) -> str:

@@ -294,6 +294,13 @@ def test_killing_a_peer_does_not_disturb_the_others(
         assert links(r0)[gone][0] is False
         assert f'kvroute_peer_up{{peer="{gone}"}} 0.0' in metric_lines(r0, "kvroute_peer_up")
         assert metric_lines(r0, f'kvroute_peer_dropped_batches_total{{peer="{gone}"}}')
+        # The peers' update batches reached r0 over loopback: their fan-out latency is measured.
+        p50 = metric_lines(r0, 'kvroute_peer_batch_latency_seconds{quantile="0.5"}')
+        assert p50
+        assert 0.0 <= float(p50[0].split()[-1]) < 1.0
+        concurrency = metric_lines(r0, "kvroute_scheduler_peer_concurrency")
+        assert concurrency
+        assert float(concurrency[0].split()[-1]) >= 0.0
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any(gone in w and "unreachable" in w for w in warnings), warnings
         # The dead router's reservation is dropped once it has been silent for peer_timeout_s.

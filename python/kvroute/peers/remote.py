@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -62,6 +63,8 @@ class RemoteLedger:
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self.unknown_engines = 0
         self.timeouts = 0
+        self.latencies: deque[float] = deque(maxlen=1024)
+        """Seconds from a peer's send (its wall clock) to arrival here, last 1,024 update batches."""
 
     def count(self, result: str) -> None:
         self.results[result] += 1
@@ -88,6 +91,8 @@ class RemoteLedger:
             return "duplicate"
         o.last_seq = batch.seq
         o.last_seen = now
+        if batch.kind != wire.SNAPSHOT:
+            self.latencies.append(max(0.0, time.time() - batch.sent_at))
         o.name = batch.name
         o.batches += 1
         if batch.kind == wire.SNAPSHOT:
@@ -155,6 +160,14 @@ class RemoteLedger:
                 len(o.live),
             )
         return names
+
+    def latency_quantiles(self) -> dict[str, float]:
+        """p50/p90/p99 of the recent fan-out latencies (peers' wall clocks: exact on one host,
+        NTP-accurate across hosts); empty before the first update batch."""
+        xs = sorted(self.latencies)
+        if not xs:
+            return {}
+        return {q: xs[min(len(xs) - 1, int(float(q) * len(xs)))] for q in ("0.5", "0.9", "0.99")}
 
     def live_by_origin(self) -> dict[str, int]:
         return {f"{o.name}/{k:x}": len(o.live) for k, o in self.origins.items()}

@@ -177,6 +177,14 @@ def _peer_metrics(peers: PeerFanout) -> Iterator[Metric]:
     for result, n in peers.remote.results.items():
         received.add_metric([result], n)
     yield received
+    latency = GaugeMetricFamily(
+        "kvroute_peer_batch_latency_seconds",
+        "Fan-out latency of the last 1,024 peer update batches (send to arrival), by quantile",
+        labels=["quantile"],
+    )
+    for q, v in peers.remote.latency_quantiles().items():
+        latency.add_metric([q], v)
+    yield latency
     live = GaugeMetricFamily(
         "kvroute_peer_remote_reservations", "Reservations held for each peer router", labels=["origin"]
     )
