@@ -139,3 +139,35 @@ fn a_private_history_stays_where_a_hot_prompt_spreads() {
     );
     assert_eq!((private.0, hot.0), (0, 1));
 }
+
+#[test]
+fn prefill_drain_credits_the_time_the_current_prefill_has_run() {
+    let p = PolicyParams {
+        attn_s_per_token_pair: 0.0,
+        prefill_drain: 0.5,
+        ..params()
+    };
+    let req = request(1600, 0.0);
+    // 100,000 tokens of work queued: 1 s at 1e-5 s/token, plus this request's 0.016 s.
+    let fresh = ttft_terms(&p, &req, &cand(0, 0, 100_000));
+    assert!((fresh.est_ttft_s - 1.016).abs() < 1e-9);
+    // 0.8 s after its current prefill started, half of that time is credited: 40,000 tokens.
+    let ran = Candidate {
+        prefill_elapsed_s: 0.8,
+        ..cand(0, 0, 100_000)
+    };
+    let t = ttft_terms(&p, &req, &ran);
+    assert!((t.est_ttft_s - 0.616).abs() < 1e-9, "{}", t.est_ttft_s);
+    assert_eq!(t.queued_prefill_tokens, 30_000);
+    // Never below empty; and off by default.
+    let long = Candidate {
+        prefill_elapsed_s: 100.0,
+        ..cand(0, 0, 100_000)
+    };
+    assert!((ttft_terms(&p, &req, &long).est_ttft_s - 0.016).abs() < 1e-9);
+    let off = PolicyParams {
+        prefill_drain: 0.0,
+        ..p.clone()
+    };
+    assert!((ttft_terms(&off, &req, &ran).est_ttft_s - 1.016).abs() < 1e-9);
+}

@@ -75,6 +75,9 @@ pub struct Ledger {
     deadlines: VecDeque<(Nanos, Key)>,
     tombstones: HashMap<Key, Nanos>,
     tomb_queue: VecDeque<(Nanos, Key)>,
+    /// Per worker, when its current prefill (the head of its queue) started, as far as the
+    /// ledger can tell: when its queue last became non-empty or a prefill last left it.
+    anchors: HashMap<WorkerId, Nanos>,
     pub expired: u64,
 }
 
@@ -99,8 +102,19 @@ impl Ledger {
         self.tombstones.contains_key(key)
     }
 
-    fn add(&mut self, r: &Reservation, sign: i64) {
+    /// When worker `w`'s current prefill started (see the field), if it has one.
+    pub fn prefill_started(&self, w: WorkerId) -> Option<Nanos> {
+        self.anchors.get(&w).copied()
+    }
+
+    fn add(&mut self, r: &Reservation, sign: i64, now: Nanos) {
         let l = self.loads.entry(r.worker).or_default();
+        if r.phase == Phase::Prefill {
+            // A queue that starts, or a prefill that leaves it (the next one starts).
+            if sign < 0 || l.prefill_work == 0 {
+                self.anchors.insert(r.worker, now);
+            }
+        }
         let kv = r.kv_blocks();
         let (pre, work) = if r.phase == Phase::Prefill {
             (r.prefill_tokens, r.prefill_work)
@@ -123,11 +137,11 @@ impl Ledger {
     }
 
     /// Books a reservation. False (and nothing booked) if the key is live or tombstoned.
-    pub fn book(&mut self, key: Key, r: Reservation) -> bool {
+    pub fn book(&mut self, key: Key, r: Reservation, now: Nanos) -> bool {
         if self.live.contains_key(&key) || self.tombstones.contains_key(&key) {
             return false;
         }
-        self.add(&r, 1);
+        self.add(&r, 1, now);
         self.deadlines.push_back((r.expires_at, key));
         self.live.insert(key, r);
         true
@@ -144,23 +158,31 @@ impl Ledger {
         let Some(mut r) = self.live.remove(key) else {
             return false;
         };
-        self.add(&r, -1);
+        let (was, anchor) = (r.phase, self.anchors.get(&r.worker).copied());
+        self.add(&r, -1, now);
         f(&mut r);
         r.expires_at = now.saturating_add(ttl);
-        self.add(&r, 1);
+        self.add(&r, 1, now);
+        if was == Phase::Prefill && r.phase == Phase::Prefill {
+            // Still queued: taking it out and putting it back started no new prefill.
+            match anchor {
+                Some(a) => self.anchors.insert(r.worker, a),
+                None => self.anchors.remove(&r.worker),
+            };
+        }
         self.deadlines.push_back((r.expires_at, *key));
         self.live.insert(*key, r);
         true
     }
 
     /// Removes a reservation and tombstones its key until `tomb_until`. Idempotent.
-    pub fn finish(&mut self, key: &Key, tomb_until: Nanos) -> Option<Reservation> {
+    pub fn finish(&mut self, key: &Key, tomb_until: Nanos, now: Nanos) -> Option<Reservation> {
         if !self.tombstones.contains_key(key) {
             self.tombstones.insert(*key, tomb_until);
             self.tomb_queue.push_back((tomb_until, *key));
         }
         let r = self.live.remove(key)?;
-        self.add(&r, -1);
+        self.add(&r, -1, now);
         Some(r)
     }
 
@@ -173,7 +195,7 @@ impl Ledger {
             }
             self.deadlines.pop_front();
             if self.live.get(&key).is_some_and(|r| r.expires_at <= now) {
-                if let Some(r) = self.finish(&key, tomb_until) {
+                if let Some(r) = self.finish(&key, tomb_until, now) {
                     self.expired += 1;
                     out.push((key, r));
                 }
@@ -198,7 +220,7 @@ impl Ledger {
     }
 
     /// Forgets every reservation on a worker (worker removed). Returns how many.
-    pub fn drop_worker(&mut self, w: WorkerId, tomb_until: Nanos) -> usize {
+    pub fn drop_worker(&mut self, w: WorkerId, tomb_until: Nanos, now: Nanos) -> usize {
         let keys: Vec<Key> = self
             .live
             .iter()
@@ -206,9 +228,10 @@ impl Ledger {
             .map(|(k, _)| *k)
             .collect();
         for k in &keys {
-            self.finish(k, tomb_until);
+            self.finish(k, tomb_until, now);
         }
         self.loads.remove(&w);
+        self.anchors.remove(&w);
         keys.len()
     }
 
@@ -229,7 +252,7 @@ impl Ledger {
     pub fn check(&self) -> Result<(), String> {
         let mut fresh = Ledger::default();
         for r in self.live.values() {
-            fresh.add(r, 1);
+            fresh.add(r, 1, 0);
         }
         for (w, l) in &self.loads {
             if fresh.load(*w) != *l {

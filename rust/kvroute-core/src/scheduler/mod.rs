@@ -256,7 +256,7 @@ impl Scheduler {
         }
         let dropped = st
             .ledger
-            .drop_worker(id, now.saturating_add(self.cfg.tombstone_ttl));
+            .drop_worker(id, now.saturating_add(self.cfg.tombstone_ttl), now);
         if let Some(a) = st.approx.as_mut() {
             a.remove_worker(id);
         }
@@ -344,6 +344,10 @@ impl Scheduler {
                 approx_blocks: a.map_or(0, |m| m.gpu + m.cpu),
                 approx_entries: st.approx.as_ref().map_or(0, |x| x.worker_entries(w.id)),
                 resident_blocks: index.worker_entries(w.id),
+                prefill_elapsed_s: st
+                    .ledger
+                    .prefill_started(w.id)
+                    .map_or(0.0, |a| now.saturating_sub(a) as f64 / 1e9),
                 load,
                 capacity_blocks: w.capacity_blocks,
                 metrics: w.metrics,
@@ -409,7 +413,7 @@ impl Scheduler {
         };
         st.hedge
             .observe(r.prefill_work, r.prefill_tokens, r.prompt_blocks);
-        st.ledger.book((self.cfg.router_id, id), r);
+        st.ledger.book((self.cfg.router_id, id), r, now);
         if let Some(k) = key {
             st.heat.bump(k, heat, now);
         }
@@ -548,6 +552,7 @@ impl Scheduler {
             .finish(
                 &(self.cfg.router_id, id),
                 now.saturating_add(self.cfg.tombstone_ttl),
+                now,
             )
             .is_some();
         st.counters.released += u64::from(done);
@@ -591,6 +596,7 @@ impl Scheduler {
                                 phase: Phase::Prefill,
                                 expires_at: now.saturating_add(ttl),
                             },
+                            now,
                         );
                     if booked {
                         let r = st.ledger.get(&(r.origin, r.id)).expect("just booked");
@@ -622,7 +628,7 @@ impl Scheduler {
                     r.generated = r.generated.max(*generated);
                 }),
                 RemoteUpdate::Finished { origin, id } => {
-                    st.ledger.finish(&(*origin, *id), tomb).is_some()
+                    st.ledger.finish(&(*origin, *id), tomb, now).is_some()
                 }
             };
         if applied {

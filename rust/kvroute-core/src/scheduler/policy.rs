@@ -87,6 +87,9 @@ pub struct PolicyParams {
     /// How many times its prefill time each computed token is charged for the compute it takes
     /// from the fleet (work later requests queue behind), evicting or not.
     pub compute_factor: f64,
+    /// Fraction of the time since a worker's current prefill started that is credited as done
+    /// queued prefill work (1 = the engine did nothing else); 0 = the booked queue as is.
+    pub prefill_drain: f64,
     /// Time constant (seconds) of the prefix heat: how long a reuse of a prefix keeps counting.
     pub heat_window_s: f64,
     /// With peer routers: how strongly to hedge against peers' concurrent decisions (ghost
@@ -130,6 +133,7 @@ impl Default for PolicyParams {
             kv_pressure_factor: 1.0,
             pollution_factor: 13.0,
             compute_factor: 0.0,
+            prefill_drain: 0.0,
             heat_window_s: 10.0,
             peer_hedge: 1.0,
             peer_window_s: 0.005,
@@ -189,6 +193,7 @@ params_by_name!(
     kv_pressure_factor,
     pollution_factor,
     compute_factor,
+    prefill_drain,
     heat_window_s,
     peer_hedge,
     peer_window_s,
@@ -231,6 +236,9 @@ pub struct Candidate {
     /// Blocks the exact index holds for this worker (any tier, speculative included): how full
     /// its cache is.
     pub resident_blocks: u64,
+    /// Seconds since the worker's current prefill started (its queue became non-empty, or a
+    /// prefill left it), 0 if none: part of the queued work is already done.
+    pub prefill_elapsed_s: f64,
     pub load: Load,
     /// KV capacity in blocks (0 = unknown).
     pub capacity_blocks: u32,
@@ -292,8 +300,19 @@ pub fn ttft_terms(p: &PolicyParams, req: &RequestInfo, c: &Candidate) -> Breakdo
     let cpu_tok = (u64::from(c.cpu_blocks) * bs).min(prompt - gpu_tok);
     let uncached = prompt - gpu_tok - cpu_tok;
     let own = work_tokens(p, uncached, gpu_tok + cpu_tok);
-    let queued = c.load.prefill_tokens;
-    let work = c.load.prefill_work.max(queued) + own;
+    let mut queued = c.load.prefill_tokens;
+    let mut booked = c.load.prefill_work.max(queued);
+    if p.prefill_drain > 0.0
+        && booked > 0
+        && c.prefill_elapsed_s > 0.0
+        && p.prefill_s_per_token > 0.0
+    {
+        let done = (c.prefill_elapsed_s * p.prefill_drain / p.prefill_s_per_token) as u64;
+        let left = booked.saturating_sub(done);
+        queued = (queued as f64 * left as f64 / booked as f64) as u64;
+        booked = left;
+    }
+    let work = booked + own;
     let chunk = u64::from(p.max_batched_tokens.max(1));
     let steps = work.div_ceil(chunk).max(1) as f64;
     let mut t = work as f64 * p.prefill_s_per_token

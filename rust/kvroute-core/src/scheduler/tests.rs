@@ -63,7 +63,7 @@ fn select_then_reserve_racy(s: &Scheduler, now: Nanos) -> Result<u64> {
         phase: Phase::Prefill,
         expires_at: now + SECOND,
     };
-    st.ledger.book((0, id), r);
+    st.ledger.book((0, id), r, now);
     Ok(id)
 }
 
@@ -587,4 +587,40 @@ fn a_long_burst_of_equal_requests_is_tiled_evenly() {
         }
         assert_eq!(count, [16; 4], "hedge {hedge}");
     }
+}
+
+#[test]
+fn the_ledger_knows_when_each_workers_current_prefill_started() {
+    let mut l = Ledger::default();
+    let r = |worker| Reservation {
+        worker,
+        prefill_tokens: 100,
+        prefill_work: 100,
+        prompt_blocks: 7,
+        generated: 0,
+        block_size: 16,
+        phase: Phase::Prefill,
+        expires_at: NOW + 100 * SECOND,
+    };
+    assert_eq!(l.prefill_started(0), None);
+    assert!(l.book((1, 1), r(0), NOW));
+    assert!(l.book((1, 2), r(0), NOW + 5));
+    assert_eq!(
+        l.prefill_started(0),
+        Some(NOW),
+        "a second request queues behind the first"
+    );
+    // A refresh of a queued request starts nothing; its first token starts the next prefill.
+    assert!(l.update(&(1, 2), SECOND, NOW + 7, |_| {}));
+    assert_eq!(l.prefill_started(0), Some(NOW));
+    assert!(l.update(&(1, 1), SECOND, NOW + 9, |x| x.phase = Phase::Decode));
+    assert_eq!(l.prefill_started(0), Some(NOW + 9));
+    l.finish(&(1, 2), NOW + SECOND, NOW + 11);
+    assert_eq!(l.prefill_started(0), Some(NOW + 11));
+    // Finishing a decoding request does not touch it; dropping the worker forgets it.
+    l.finish(&(1, 1), NOW + SECOND, NOW + 20);
+    assert_eq!(l.prefill_started(0), Some(NOW + 11));
+    l.drop_worker(0, NOW + SECOND, NOW + 30);
+    assert_eq!(l.prefill_started(0), None);
+    l.check().unwrap();
 }
