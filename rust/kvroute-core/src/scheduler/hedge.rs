@@ -208,6 +208,10 @@ impl Hedge {
             self.concurrency += ALPHA * (f64::from(n) - self.concurrency);
         }
         self.ghosts.retain(|g| g.expires > now);
+        // Router ids are per process: forget routers long gone.
+        let keep = |t: Nanos| now.saturating_sub(t) <= 10 * PEER_ACTIVE;
+        self.peers.retain(|(_, t)| keep(*t));
+        self.reserved_at.retain(|(_, t)| keep(*t));
     }
 
     /// Ghost load on `worker`, to add to its booked load before scoring.
