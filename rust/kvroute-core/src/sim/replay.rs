@@ -316,22 +316,6 @@ pub fn replay_workload(
         return Err(e);
     }
     let per_replica = cluster.routed_per_replica.clone();
-    if let Ok(path) = std::env::var("KVROUTE_DUMP_DEBUG") {
-        use std::io::Write;
-        let mut f = std::fs::File::create(path).unwrap();
-        for (i, t) in tl.iter().enumerate() {
-            writeln!(
-                f,
-                "{},{},{},{},{}",
-                i,
-                t.arrival,
-                t.first - t.arrival,
-                0,
-                w.records[i].input_length
-            )
-            .unwrap();
-        }
-    }
     if !progress(n, n) {
         return Err(stopped());
     }
