@@ -107,10 +107,11 @@ impl Ledger {
         self.anchors.get(&w).copied()
     }
 
-    fn add(&mut self, r: &Reservation, sign: i64, now: Nanos) {
+    /// Adds (`sign` 1) or removes (-1) `r`'s share of its worker's load. With `now`, a prefill
+    /// queue that starts or a prefill that leaves it (the next one starts) moves the anchor.
+    fn add(&mut self, r: &Reservation, sign: i64, now: Option<Nanos>) {
         let l = self.loads.entry(r.worker).or_default();
-        if r.phase == Phase::Prefill {
-            // A queue that starts, or a prefill that leaves it (the next one starts).
+        if let (Some(now), Phase::Prefill) = (now, r.phase) {
             if sign < 0 || l.prefill_work == 0 {
                 self.anchors.insert(r.worker, now);
             }
@@ -141,7 +142,7 @@ impl Ledger {
         if self.live.contains_key(&key) || self.tombstones.contains_key(&key) {
             return false;
         }
-        self.add(&r, 1, now);
+        self.add(&r, 1, Some(now));
         self.deadlines.push_back((r.expires_at, key));
         self.live.insert(key, r);
         true
@@ -158,17 +159,14 @@ impl Ledger {
         let Some(mut r) = self.live.remove(key) else {
             return false;
         };
-        let (was, anchor) = (r.phase, self.anchors.get(&r.worker).copied());
-        self.add(&r, -1, now);
+        let was = r.phase;
+        self.add(&r, -1, None);
         f(&mut r);
         r.expires_at = now.saturating_add(ttl);
-        self.add(&r, 1, now);
-        if was == Phase::Prefill && r.phase == Phase::Prefill {
-            // Still queued: taking it out and putting it back started no new prefill.
-            match anchor {
-                Some(a) => self.anchors.insert(r.worker, a),
-                None => self.anchors.remove(&r.worker),
-            };
+        self.add(&r, 1, None);
+        if was == Phase::Prefill && r.phase != Phase::Prefill {
+            // Its prefill is done: the next one in the queue starts.
+            self.anchors.insert(r.worker, now);
         }
         self.deadlines.push_back((r.expires_at, *key));
         self.live.insert(*key, r);
@@ -182,7 +180,7 @@ impl Ledger {
             self.tomb_queue.push_back((tomb_until, *key));
         }
         let r = self.live.remove(key)?;
-        self.add(&r, -1, now);
+        self.add(&r, -1, Some(now));
         Some(r)
     }
 
@@ -252,7 +250,7 @@ impl Ledger {
     pub fn check(&self) -> Result<(), String> {
         let mut fresh = Ledger::default();
         for r in self.live.values() {
-            fresh.add(r, 1, 0);
+            fresh.add(r, 1, None);
         }
         for (w, l) in &self.loads {
             if fresh.load(*w) != *l {

@@ -344,10 +344,13 @@ impl Scheduler {
                 approx_blocks: a.map_or(0, |m| m.gpu + m.cpu),
                 approx_entries: st.approx.as_ref().map_or(0, |x| x.worker_entries(w.id)),
                 resident_blocks: index.worker_entries(w.id),
-                prefill_elapsed_s: st
-                    .ledger
-                    .prefill_started(w.id)
-                    .map_or(0.0, |a| now.saturating_sub(a) as f64 / 1e9),
+                prefill_elapsed_s: if self.cfg.params.prefill_drain > 0.0 {
+                    st.ledger
+                        .prefill_started(w.id)
+                        .map_or(0.0, |a| now.saturating_sub(a) as f64 / 1e9)
+                } else {
+                    0.0
+                },
                 load,
                 capacity_blocks: w.capacity_blocks,
                 metrics: w.metrics,
@@ -579,30 +582,24 @@ impl Scheduler {
             && match update {
                 RemoteUpdate::Reserve(r) => {
                     let known = st.workers.iter().any(|w| w.id == r.worker);
-                    let booked = known
-                        && st.ledger.book(
-                            (r.origin, r.id),
-                            Reservation {
-                                worker: r.worker,
-                                prefill_tokens: r.prefill_tokens,
-                                prefill_work: if r.prefill_work > 0 {
-                                    r.prefill_work
-                                } else {
-                                    work_tokens(&self.cfg.params, r.prefill_tokens, 0)
-                                },
-                                prompt_blocks: r.prompt_blocks,
-                                generated: 0,
-                                block_size: u64::from(self.cfg.block_size),
-                                phase: Phase::Prefill,
-                                expires_at: now.saturating_add(ttl),
-                            },
-                            now,
-                        );
+                    let res = Reservation {
+                        worker: r.worker,
+                        prefill_tokens: r.prefill_tokens,
+                        prefill_work: if r.prefill_work > 0 {
+                            r.prefill_work
+                        } else {
+                            work_tokens(&self.cfg.params, r.prefill_tokens, 0)
+                        },
+                        prompt_blocks: r.prompt_blocks,
+                        generated: 0,
+                        block_size: u64::from(self.cfg.block_size),
+                        phase: Phase::Prefill,
+                        expires_at: now.saturating_add(ttl),
+                    };
+                    let size = (res.prefill_work, res.prefill_tokens, res.prompt_blocks);
+                    let booked = known && st.ledger.book((r.origin, r.id), res, now);
                     if booked {
-                        let r = st.ledger.get(&(r.origin, r.id)).expect("just booked");
-                        let (work, tokens, blocks) =
-                            (r.prefill_work, r.prefill_tokens, r.prompt_blocks);
-                        st.hedge.observe(work, tokens, blocks);
+                        st.hedge.observe(size.0, size.1, size.2);
                         st.hedge.peer_reserved(origin, now, window);
                     }
                     if booked && self.speculates() {
