@@ -180,9 +180,10 @@ class ProxyCall:
         failure: Failure | None = None
         # During a burst of concurrent decisions at peer routers, wait (a few ms) for this
         # router's next decision window, so the decision sees the peers' previous ones.
-        wait = sched.pace()
-        if wait > 0.0:
-            await asyncio.sleep(wait)
+        if p.fleet.peers is not None:
+            wait = sched.pace()
+            if wait > 0.0:
+                await asyncio.sleep(wait)
         for attempt in range(p.config.max_retries + 1):
             t0 = time.perf_counter()
             try:

@@ -7,7 +7,10 @@
 //!
 //! Each router measures how many peer decisions turn out to have been *concurrent* with its own
 //! (a peer reservation that arrives within `peer_window_s` after one of its decisions: neither
-//! router saw the other's). When that expectation is material, a decision first plans one
+//! router saw the other's). When that expectation is material, the routers first take *turns*
+//! ([`Hedge::pace`]): one decision per window each, staggered by rank, so that each sees the
+//! earlier ones' fan-out. A decision that cannot wait for its turn (or whose earlier turns'
+//! fan-out has not arrived) plans one
 //! *round*: the same greedy placement every router computes from the shared view, one slot per
 //! active router for an average request, slot k for the router of rank k. It then books
 //! *ghosts* (average-sized placeholders) on the slots of the other routers, scaled by how many
@@ -28,6 +31,7 @@ const PEER_ACTIVE: Nanos = 30_000_000_000;
 const ALPHA: f64 = 0.125;
 /// Ghost weights below this are not worth booking.
 const MIN_WEIGHT: f64 = 0.1;
+/// Bound on this router's decisions awaiting their concurrency count.
 const MAX_OWN: usize = 4096;
 
 #[derive(Debug, Clone, Copy)]
@@ -120,14 +124,17 @@ impl Hedge {
         wait
     }
 
+    /// Peer routers heard from in the last 30 s.
+    fn active(&self, now: Nanos) -> impl Iterator<Item = u64> + '_ {
+        self.peers
+            .iter()
+            .filter(move |(_, t)| now.saturating_sub(*t) <= PEER_ACTIVE)
+            .map(|(o, _)| *o)
+    }
+
     /// Active routers, this one included, by id.
     fn routers(&self, me: u64, now: Nanos) -> Vec<u64> {
-        let mut routers: Vec<u64> = self
-            .peers
-            .iter()
-            .filter(|(_, t)| now.saturating_sub(*t) <= PEER_ACTIVE)
-            .map(|(o, _)| *o)
-            .collect();
+        let mut routers: Vec<u64> = self.active(now).collect();
         routers.push(me);
         routers.sort_unstable();
         routers
@@ -158,10 +165,7 @@ impl Hedge {
 
     /// Active peer routers (heard from in the last 30 s).
     pub fn active_peers(&self, now: Nanos) -> usize {
-        self.peers
-            .iter()
-            .filter(|(_, t)| now.saturating_sub(*t) <= PEER_ACTIVE)
-            .count()
+        self.active(now).count()
     }
 
     /// Any message from peer `origin`.
@@ -242,9 +246,8 @@ impl Hedge {
     /// (`cands`, read only then), ties to the lower worker id; this router's k-th decision in the
     /// window is round k. `cost(candidate, extra)` is the cost of an average request on it with
     /// `extra` average requests planned there. `strength` scales the ghosts (1 = one average
-    /// request per expected concurrent decision). Returns this router's own slot when ghosts were
-    /// booked (the worker peers expect it to take: it wins ties).
-    #[allow(clippy::too_many_arguments)]
+    /// request per expected concurrent decision). Returns this router's own slot in the round
+    /// (the worker peers expect it to take: it wins ties), `None` when nothing is planned.
     pub fn plan(
         &mut self,
         me: u64,

@@ -476,8 +476,8 @@ impl Scheduler {
         (self.cfg.params.peer_window_s.max(0.0) * 1e9) as Nanos
     }
 
-    /// Plans a round against peers' concurrent decisions (see [`hedge`]) and, if it booked
-    /// ghosts, adds them to the candidates' loads; returns this router's slot in the plan.
+    /// Plans a round against peers' concurrent decisions (see [`hedge`]), adds any ghosts it
+    /// booked to the candidates' loads, and returns this router's slot in the plan.
     fn hedge(
         &self,
         st: &mut State,
